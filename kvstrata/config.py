@@ -1,0 +1,122 @@
+"""Engine configuration: small frozen dataclasses, composed into `EngineConfig`.
+
+Each component receives the smallest piece that serves it (the scheduler gets
+`SchedulerConfig`, the tier manager `CacheConfig`). Values learned at run time
+(number of device blocks, EOS ids) are returned by the code that learns them and
+passed on as arguments; they are never written back into a config.
+
+Every field carries a `help` string in its metadata: the CLI turns fields into
+flags, so the flags cannot drift from what exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("fcfs", "priority", "lpm")
+WRITE_POLICIES = ("write_back", "write_through")
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+               "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB' -> 536870912. Accepts plain byte counts and decimal or binary units."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 512MiB, 2GiB or 1000000")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _opt(default, help: str, choices: tuple[str, ...] | None = None, size: bool = False):
+    return field(default=default, metadata={"help": help, "choices": choices, "size": size})
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = _opt(None, "GGUF file or Hugging Face folder (config.json + safetensors); "
+                                   "default: the embedded SmolLM2-135M-Instruct")
+    dtype: str = _opt("auto", "weight and KV dtype; auto picks the faster one for the device", DTYPES)
+    device: str = _opt("auto", "where the model runs; auto takes CUDA when present", DEVICES)
+    threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
+
+    def validate(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        _require(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        _require(self.threads is None or self.threads >= 1, "threads must be at least 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "tokens per KV block")
+    kv_cache_memory: int = _opt(1024**3, "bytes of device memory for the KV cache (e.g. 512MiB, 2GiB)",
+                                size=True)
+    num_device_blocks: int | None = _opt(None, "exact number of device KV blocks "
+                                               "(overrides --kv-cache-memory)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV of prefixes computed before")
+    cache_salt: str = _opt("", "salt mixed into every block hash (isolates tenants sharing a store)")
+    reserve_ratio_init: float = _opt(0.7, "share of running requests' remaining max_tokens kept "
+                                          "free at admission, right after start or a preemption")
+    reserve_ratio_min: float = _opt(0.1, "floor the reserved share decays to")
+    reserve_ratio_decay: float = _opt(0.001, "decay of the reserved share per non-empty step")
+    reserve_clip_tokens: int = _opt(4096, "remaining max_tokens counted per request at most")
+
+    def validate(self) -> None:
+        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+                 f"block_size must be a power of two, not {self.block_size}")
+        _require(self.kv_cache_memory > 0, "kv_cache_memory must be positive")
+        _require(self.num_device_blocks is None or self.num_device_blocks >= 1,
+                 "num_device_blocks must be at least 1")
+        _require(0.0 <= self.reserve_ratio_min <= self.reserve_ratio_init <= 1.0,
+                 "need 0 <= reserve_ratio_min <= reserve_ratio_init <= 1")
+        _require(self.reserve_ratio_decay >= 0.0, "reserve_ratio_decay must not be negative")
+        _require(self.reserve_clip_tokens >= 0, "reserve_clip_tokens must not be negative")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _opt(64, "most requests running at once")
+    max_num_batched_tokens: int = _opt(512, "token budget of one step (prefill chunks plus decodes)")
+    max_model_len: int = _opt(2048, "longest sequence (prompt plus output) accepted")
+    policy: str = _opt("fcfs", "order of waiting requests: fcfs, priority (lower value first) "
+                               "or lpm (longest cached prefix first)", POLICIES)
+    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+
+    def validate(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
+        _require(self.max_model_len >= 2, "max_model_len must be at least 2")
+        _require(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        _require(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+                 "without chunked prefill, max_num_batched_tokens must be at least max_model_len "
+                 f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    audit_every_step: bool = _opt(False, "check block conservation and refcounts after every step")
+
+    def validate(self) -> EngineConfig:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        return self
+
+    def replace(self, **sections) -> EngineConfig:
+        """A copy with some sections or fields changed: `config.replace(cache=CacheConfig(...))`."""
+        return dataclasses.replace(self, **sections)

@@ -1,0 +1,1 @@
+"""The model path: loading weights and tokenizer, the Llama-family decoder, paged attention."""

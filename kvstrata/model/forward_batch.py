@@ -1,0 +1,40 @@
+"""`ForwardBatch`: one step's work for the model, as tensors.
+
+The runner flattens every scheduled chunk (decodes and prefill pieces) into one
+token axis. Decodes come first, one query token each, so attention can batch
+them; prefill chunks follow, each a run of consecutive positions.
+
+    sequence:      d0   d1   p0 ............ p1 .......
+    input_ids:    [a ] [b ] [c  c  c  c  c ] [e  e  e ]      T tokens
+    query_start:   0    1    2               7          10
+    seq_lens:      ctx of each sequence after this step (positions already in KV + new)
+
+K/V of token i is written to flat slot `slot_mapping[i] = block_id * block_size + offset`;
+attention reads a sequence's keys 0..seq_len-1 through its row of `block_tables`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor        # (T,) int64
+    positions: torch.Tensor        # (T,) int64, position of each token in its sequence
+    slot_mapping: torch.Tensor     # (T,) int64, flat KV slot each token's K/V is written to
+    block_tables: torch.Tensor     # (B, max_blocks) int64, padded with 0
+    seq_lens: torch.Tensor         # (B,) int64, tokens in KV for each sequence after this step
+    query_start_loc: list[int]     # B + 1 ints: sequence b's tokens are [qsl[b], qsl[b + 1])
+    num_decodes: int               # sequences [0, num_decodes) have exactly one query token
+    logits_indices: torch.Tensor   # (S,) int64, token rows whose logits are returned, in order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_start_loc) - 1

@@ -1,0 +1,169 @@
+"""A request's parameters and its token ledger.
+
+`Request` is the one record the scheduler, the tier manager and the runner share:
+its token ids (prompt then output), how many of them have KV computed, and the
+hashes of its full blocks, extended as tokens arrive. It holds no block ids;
+the tier manager owns those.
+
+    token_ids:   [ prompt ............................ | output ....... ]
+                  <------- num_computed_tokens ------->  <- to compute ->
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from kvstrata.kvcache.hashing import BlockHash, BlockHasher
+
+MAX_STOP_STRINGS = 16
+MIN_TEMPERATURE = 1e-5
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    PREEMPTED = 1      # waiting again after losing its blocks; resumes before new requests
+    LOADING = 2        # blocks committed, waiting for lower-tier loads to land
+    RUNNING = 3
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults follow the OpenAI API."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None    # top-n logprobs per output token; 0 = the sampled token's only
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below 1e-5 scale logits past float32 range, so they count as greedy too."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    def validate(self) -> SamplingParams:
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                 f"max_tokens must be a positive integer, not {self.max_tokens!r}")
+        _require(0 <= self.min_tokens <= self.max_tokens,
+                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), not {self.min_tokens}")
+        _require(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
+                 f"temperature must be between 0 and 100, not {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], not {self.top_p}")
+        _require(self.top_k >= 0, f"top_k must be 0 (off) or positive, not {self.top_k}")
+        _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], not {self.min_p}")
+        _require(0.0 < self.repetition_penalty <= 10.0,
+                 f"repetition_penalty must be in (0, 10], not {self.repetition_penalty}")
+        _require(-2.0 <= self.presence_penalty <= 2.0,
+                 f"presence_penalty must be in [-2, 2], not {self.presence_penalty}")
+        _require(-2.0 <= self.frequency_penalty <= 2.0,
+                 f"frequency_penalty must be in [-2, 2], not {self.frequency_penalty}")
+        _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 64-bit integer")
+        _require(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids must be non-negative integers")
+        _require(self.logprobs is None or 0 <= self.logprobs <= 20,
+                 f"logprobs must be between 0 and 20, not {self.logprobs}")
+        return self
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. Mutated only by the scheduler (and the engine for stop strings)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    hasher: BlockHasher
+    arrival_time: float = 0.0
+    priority: int = 0              # lower value is served first
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_tokens: int = -1    # prompt tokens served from cache at first admission; -1 until admitted
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        _require(len(self.prompt_token_ids) >= 1, "the prompt must hold at least one token")
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.hasher.extend(self.block_hashes, self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The longest this request can grow: prompt plus max_tokens."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.hasher.extend(self.block_hashes, self.token_ids)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]   # (token id, logprob) of the most likely tokens, best first
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request, as the engine hands it to callers."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str                      # the detokenized delta, never half a character
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
