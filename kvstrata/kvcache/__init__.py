@@ -1,0 +1,1 @@
+"""KV-cache accounting (block pools, hashing, tiers) and its physical buffers."""
