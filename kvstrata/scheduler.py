@@ -1,0 +1,286 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+One token budget per step, no separate prefill and decode phases:
+
+  1. running requests first, best (priority, arrival) first: each gets its pending tokens
+     (a decode token, or the next prefill chunk). If its blocks cannot grow, the worst running
+     request is preempted (lowest priority, then latest arrival) until they can; the worst is
+     last in the order, so nothing already scheduled this step is ever taken back.
+  2. if nobody was preempted, waiting requests are admitted in policy order through
+     TierManager.plan / commit, until the budget, `max_num_seqs` or a refusal stops it
+     (head of line: a refused request is not overtaken).
+
+Preempted requests keep their full blocks CACHED, so resuming usually re-hits them, and they
+resume before any new request. A request that could never fit is refused at `add_request`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvstrata.config import SchedulerConfig
+from kvstrata.kvcache.tiers import TierManager
+from kvstrata.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+LPM_MAX_QUEUE = 128   # beyond this many waiting requests, lpm falls back to fcfs (matching is O(queue))
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request to compute in this step, and where their KV lives."""
+
+    request: Request
+    start: int                 # position of the first token (== tokens already in KV)
+    token_ids: list[int]
+    block_ids: list[int]       # the request's whole block table
+    sample: bool               # the chunk reaches the last token: its logits pick the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, tiers: TierManager, eos_token_ids: Iterable[int] = ()):
+        self.config = config
+        self.tiers = tiers
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}      # every request not yet finished
+        self.running: list[Request] = []
+        self._waiting: list[tuple] = []             # heap of (key, seq, request); stale entries skipped
+        self._waiting_key: dict[str, tuple] = {}    # request id -> its live heap key
+        self._seq = itertools.count()
+        self._arrival_order: dict[str, int] = {}    # tie-break for equal arrival times
+        self.num_preemptions = 0
+
+    # ---- intake ---------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ValueError if it could never run to completion."""
+        max_len = self.config.max_model_len
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= max_len:
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, but this server accepts at "
+                             f"most {max_len} tokens per request and at least one must be generated")
+        if request.max_total_tokens > max_len:
+            raise ValueError(f"this server accepts at most {max_len} tokens per request; you asked for "
+                             f"{request.max_total_tokens} ({request.num_prompt_tokens} in the prompt, "
+                             f"{request.sampling.max_tokens} in the completion); lower max_tokens")
+        need = math.ceil((request.max_total_tokens - 1) / self.tiers.block_size)
+        if need > self.tiers.device.num_blocks:
+            raise ValueError(f"the request may need {need} KV blocks but the device cache holds only "
+                             f"{self.tiers.device.num_blocks}; lower max_tokens or give the cache more memory")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._arrival_order[request.request_id] = next(self._seq)
+        self._enqueue(request)
+
+    def _rank(self, request: Request) -> tuple:
+        """Best first: lower priority value (under the priority policy), then earlier arrival."""
+        priority = request.priority if self.config.policy == "priority" else 0
+        return priority, request.arrival_time, self._arrival_order[request.request_id]
+
+    def _enqueue(self, request: Request) -> None:
+        key = (request.status is not RequestStatus.PREEMPTED, *self._rank(request), next(self._seq))
+        self._waiting_key[request.request_id] = key
+        heapq.heappush(self._waiting, (key, request))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_key)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def waiting_requests(self) -> list[Request]:
+        """Waiting requests in the order they would be admitted."""
+        return [request for key, request in sorted(self._waiting)
+                if self._waiting_key.get(request.request_id) == key]
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        self.running.sort(key=self._rank)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            while not self.tiers.grow(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+        if not preempted:
+            budget = self._admit(budget, chunks)
+        if chunks:
+            self.tiers.reservation.on_step()
+        return SchedulerOutput(chunks, preempted)
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        whole = not self.config.enable_chunked_prefill
+        for request in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            plan = self.tiers.plan(request, budget, whole=whole)
+            if plan is None:
+                break
+            self.tiers.commit(plan)
+            del self._waiting_key[request.request_id]
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, plan.num_new_tokens))
+            budget -= plan.num_new_tokens
+        return budget
+
+    def _admission_order(self) -> Iterable[Request]:
+        """Waiting requests in policy order: resumed first; then fcfs, priority, or longest cached prefix."""
+        if self.config.policy == "lpm" and self.num_waiting <= LPM_MAX_QUEUE:
+            waiting = self.waiting_requests()
+            cached = {r.request_id: self.tiers.cached_prefix_tokens(r) for r in waiting}
+            return sorted(waiting, key=lambda r: (r.status is not RequestStatus.PREEMPTED,
+                                                  -cached[r.request_id], *self._rank(r)))
+        return self._heap_order()
+
+    def _heap_order(self) -> Iterable[Request]:
+        """The live head of the waiting heap, again and again; stale entries are dropped on the way.
+
+        The consumer must admit (retire) each request it is given or stop iterating.
+        """
+        while self._waiting:
+            key, request = self._waiting[0]
+            if self._waiting_key.get(request.request_id) != key:
+                heapq.heappop(self._waiting)
+                continue
+            yield request
+            assert self._waiting_key.get(request.request_id) != key, "heap head neither admitted nor refused"
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, request.token_ids[start:start + num_new],
+                              self.tiers.block_ids(request.request_id),
+                              sample=start + num_new == request.num_tokens)
+
+    # ---- after the step -------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Record what the step computed and sampled; return the requests that finished."""
+        finished = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.is_finished:        # aborted after it was scheduled
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            self.tiers.cache_full_blocks(request)
+            if chunk.sample:
+                request.append_output(sampled[request.request_id])
+                status = self._stop_status(request)
+                if status is not None:
+                    self._finish(request, status)
+                    finished.append(request)
+        return finished
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        params = request.sampling
+        token = request.token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens and (
+                token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- other transitions ----------------------------------------------------------------------
+    def finish(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        """End a request in any state (abort, or a stop string the engine found); release its blocks."""
+        assert status.is_finished, f"{status.name} is not a final status"
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, status)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        self._waiting_key.pop(request.request_id, None)
+        self.tiers.release(request)
+        request.status = status
+        del self.requests[request.request_id]
+        del self._arrival_order[request.request_id]
+
+    def preempt(self, request_id: str) -> bool:
+        """Preempt a running request now (operators and tests); False if it is not running."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return False
+        self._preempt(request)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Release the request's blocks (full ones stay CACHED) and queue it to resume first."""
+        logger.info("preempting %s: %d tokens computed, %d full blocks stay cached",
+                    request.request_id, request.num_computed_tokens,
+                    request.num_computed_tokens // self.tiers.block_size)
+        self.running.remove(request)
+        self.tiers.release(request)
+        self.tiers.reservation.on_preemption()
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def set_priority(self, request_id: str, priority: int) -> None:
+        request = self.requests[request_id]
+        request.priority = priority
+        if request_id in self._waiting_key:
+            self._enqueue(request)     # the old heap entry goes stale
+            if len(self._waiting) > 2 * len(self._waiting_key) + 64:
+                self._waiting = [(k, r) for k, r in self._waiting if self._waiting_key.get(r.request_id) == k]
+                heapq.heapify(self._waiting)
+
+    # ---- audit ----------------------------------------------------------------------------------
+    def audit(self) -> None:
+        """Queues agree with statuses, limits hold, and the tiers' own audit passes."""
+        running_ids = {r.request_id for r in self.running}
+        assert len(running_ids) == len(self.running), "a request is listed twice in running"
+        assert len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs"
+        assert running_ids.isdisjoint(self._waiting_key), "a request is both running and waiting"
+        for request_id, request in self.requests.items():
+            assert not request.is_finished, f"finished request {request_id} still tracked"
+            running = request.status is RequestStatus.RUNNING
+            assert running == (request_id in running_ids), f"{request_id} is {request.status.name}"
+            assert running == self.tiers.holds(request_id), f"{request_id} blocks disagree with status"
+            assert running or request_id in self._waiting_key, f"{request_id} is in no queue"
+        assert set(self._waiting_key) <= set(self.requests), "an unknown request is waiting"
+        self.tiers.audit()

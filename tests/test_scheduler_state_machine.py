@@ -1,0 +1,105 @@
+"""Property test: random traffic, aborts, preemptions and priority changes never break the books.
+
+After every rule the scheduler's audit (queues, limits) and the pools' audit (conservation,
+refcounts against block tables, hash index) must pass, and the fake runner checks that every
+position a step attends to holds the right token. At teardown everything drains, and every
+block is FREE or CACHED with refcount 0.
+"""
+
+import os
+
+import pytest
+from fakes import FakeRunner, make_request, make_scheduler, step
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstrata.kvcache.block_pool import BlockState
+from kvstrata.request import RequestStatus
+
+EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "2000"))
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(6, 24), block_size=st.sampled_from([2, 4]),
+                budget=st.integers(1, 24), max_num_seqs=st.integers(1, 6),
+                policy=st.sampled_from(["fcfs", "priority", "lpm"]), caching=st.booleans(),
+                chunked=st.booleans(), ratio=st.sampled_from([0.0, 0.3, 1.0]))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, policy, caching, chunked, ratio):
+        max_model_len = 24 if chunked else max(2, budget)    # unchunked prompts must fit one step
+        self.scheduler = make_scheduler(
+            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(budget, max_model_len) if not chunked else budget,
+            max_model_len=max_model_len, policy=policy, prefix_caching=caching, chunked=chunked,
+            reserve_ratio_init=ratio, reserve_ratio_min=min(ratio, 0.1))
+        self.runner = FakeRunner(num_blocks, block_size)
+        self.block_size = block_size
+        self.next_id = 0
+        self.clock = 0.0
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 9), max_size=6),
+          cut=st.integers(1, 12), max_tokens=st.integers(1, 8), priority=st.integers(0, 3))
+    def add_request(self, prefix, suffix, cut, max_tokens, priority):
+        prompt = (prefix[:cut] + suffix) or [0]
+        request = make_request(f"r{self.next_id}", prompt, max_tokens=max_tokens, priority=priority,
+                               arrival=self.clock, block_size=self.block_size)
+        self.next_id += 1
+        self.clock += 1.0
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            assert request.request_id not in self.scheduler.requests   # refused requests leave no trace
+
+    @rule()
+    def step(self):
+        step(self.scheduler, self.runner)
+
+    @precondition(lambda self: self.scheduler.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)))
+        request = self.scheduler.finish(request_id)
+        assert request.status is RequestStatus.FINISHED_ABORTED
+
+    @precondition(lambda self: self.scheduler.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        request = data.draw(st.sampled_from(self.scheduler.running))
+        assert self.scheduler.preempt(request.request_id)
+
+    @precondition(lambda self: self.scheduler.requests)
+    @rule(data=st.data(), priority=st.integers(0, 3))
+    def change_priority(self, data, priority):
+        self.scheduler.set_priority(data.draw(st.sampled_from(sorted(self.scheduler.requests))), priority)
+
+    @invariant()
+    def books_balance(self):
+        if hasattr(self, "scheduler"):
+            self.scheduler.audit()
+
+    def teardown(self):
+        if not hasattr(self, "scheduler"):
+            return
+        for _ in range(2000):
+            if not self.scheduler.has_unfinished:
+                break
+            step(self.scheduler, self.runner)
+        assert not self.scheduler.has_unfinished, "the scheduler stopped making progress"
+        counts = self.scheduler.tiers.audit()["device"]
+        assert counts.used == 0 and counts.in_flight == 0
+        assert all(b.state in (BlockState.FREE, BlockState.CACHED) and b.ref_cnt == 0
+                   for b in self.scheduler.tiers.device.blocks)
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.slow
+def test_scheduler_machine_long_run():
+    from hypothesis.stateful import run_state_machine_as_test
+    run_state_machine_as_test(SchedulerMachine, settings=settings(
+        max_examples=20 * EXAMPLES, stateful_step_count=60, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow]))
