@@ -1,0 +1,118 @@
+"""Time one model step (decode at several batch sizes, prefill) on the default model.
+
+    .venv/bin/python bench/model_step.py                       # fp32 and bf16, 2 threads
+    .venv/bin/python bench/model_step.py --dtypes bfloat16 --batches 32 --profile
+    .venv/bin/python bench/model_step.py --hf          # transformers on the same weights, same shapes
+
+Each figure is the fastest of --repeat steps after warm-up (on a shared 2-core machine the median
+mostly measures the neighbours; it is printed too), beside what the step had to read: the weights
+(GB/s of weights per second is the roofline figure on a CPU) and the KV.
+Decode steps use a cache of zeros with shuffled block tables: timing does not depend on values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvstrata.config import ModelConfig
+from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
+from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.loader import load_model
+
+BLOCK = 16
+
+
+def decode_batch(batch: int, ctx: int, num_blocks: int, gen: torch.Generator) -> ForwardBatch:
+    per_seq = -(-ctx // BLOCK)
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq)
+    pos = torch.full((batch,), ctx - 1)
+    slots = tables[:, (ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK
+    return ForwardBatch(torch.randint(0, 1000, (batch,), generator=gen), pos, slots, tables,
+                        torch.full((batch,), ctx), list(range(batch + 1)), batch, torch.arange(batch))
+
+
+def prefill_batch(n: int, num_blocks: int, gen: torch.Generator) -> ForwardBatch:
+    per_seq = -(-n // BLOCK)
+    table = torch.randperm(num_blocks, generator=gen)[:per_seq].view(1, per_seq)
+    pos = torch.arange(n)
+    slots = table[0, pos // BLOCK] * BLOCK + pos % BLOCK
+    return ForwardBatch(torch.randint(0, 1000, (n,), generator=gen), pos, slots, table,
+                        torch.tensor([n]), [0, n], 0, torch.tensor([n - 1]))
+
+
+def time_step(model, batch, kv, repeat: int) -> tuple[float, float]:
+    """(fastest, median) seconds of one step."""
+    for _ in range(3):
+        model(batch, kv)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        model(batch, kv)
+        times.append(time.perf_counter() - start)
+    return min(times), statistics.median(times)
+
+
+def hf_decode_step(folder, dtype: torch.dtype, batch: int, ctx: int, repeat: int) -> tuple[float, float]:
+    """transformers' LlamaForCausalLM, one decode step at `batch` x `ctx` with its DynamicCache."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        out = hf(torch.randint(0, 1000, (batch, ctx - 1), generator=gen), use_cache=True)
+        cache, token = out.past_key_values, torch.randint(0, 1000, (batch, 1), generator=gen)
+        times = []
+        for _ in range(repeat + 3):
+            start = time.perf_counter()
+            hf(token, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+    return min(times[3:]), statistics.median(times[3:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
+    parser.add_argument("--ctx", type=int, default=192, help="context of every decoding sequence")
+    parser.add_argument("--prefills", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler op table per run")
+    parser.add_argument("--hf", action="store_true", help="also time transformers' decode step")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {args.threads} threads, decode ctx {args.ctx}, block {BLOCK}")
+    for dtype in args.dtypes:
+        loaded = load_model(ModelConfig(dtype=dtype, device="cpu"))
+        model = loaded.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        spec = KVCacheSpec.for_model(loaded.arch, BLOCK, loaded.dtype)
+        num_blocks = max(max(args.batches) * -(-args.ctx // BLOCK), -(-max(args.prefills) // BLOCK)) + 1
+        kv = PagedKVCache(spec, num_blocks)
+        print(f"\n{dtype}: weights {weight_bytes / 1e6:.0f} MB, KV {spec.bytes_per_block / 1e3:.0f} kB/block")
+        runs = [(f"decode  batch {b:4d}", decode_batch(b, args.ctx, num_blocks, gen), b) for b in args.batches]
+        runs += [(f"prefill {n:4d} tokens", prefill_batch(n, num_blocks, gen), n) for n in args.prefills]
+        for label, batch, tokens in runs:
+            seconds, median = time_step(model, batch, kv, args.repeat)
+            kv_read = batch.block_tables.numel() * spec.bytes_per_block if batch.num_decodes else 0
+            print(f"  {label}: {seconds * 1e3:7.1f} ms (median {median * 1e3:7.1f})  "
+                  f"{tokens / seconds:6.0f} tok/s  weights {weight_bytes / seconds / 1e9:5.1f} GB/s  "
+                  f"KV read {kv_read / 1e6:5.0f} MB")
+            if args.hf and batch.num_decodes:
+                hf, hf_median = hf_decode_step(loaded.folder, loaded.dtype, batch.num_decodes,
+                                               args.ctx, args.repeat)
+                print(f"  {'transformers':>20}: {hf * 1e3:7.1f} ms (median {hf_median * 1e3:7.1f})  "
+                      f"{tokens / hf:6.0f} tok/s")
+            if args.profile:
+                with torch.profiler.profile() as prof:
+                    model(batch, kv)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()

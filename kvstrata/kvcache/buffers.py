@@ -1,0 +1,129 @@
+"""The physical KV tensors of one tier (device or host), and moving blocks in and out of them.
+
+Layout: ONE tensor of shape (L, 2, KVH, N, bs, D), allocated once, for
+L layers, K and V, KVH kv heads, N blocks of bs tokens, head dim D.
+
+    data[layer]            (2, KVH, N, bs, D)   a view, no copy
+    data[layer][0][h]      (N * bs, D)          every token slot of head h, flat: slot = block * bs + offset
+
+Why this order:
+* Gathering a batch's blocks for attention is one `index_select` over the N axis of
+  data[layer] viewed as (2 * KVH, N, bs * D); the result (2, KVH, B, ctx, D) is already
+  the (B, KVH, ctx, D) strided view attention wants (per (b, h) a contiguous (ctx, D) matrix),
+  so K and V come out of one copy with no transpose copy after it.
+* Layers live in one tensor so a whole block (all layers) moves to or from the host or the store
+  with one indexed copy instead of L of them.
+
+A block's bytes (for the store) are its (L, 2, KVH, bs, D) slab in the cache dtype, C order:
+see `KVCacheSpec.block_shape`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Everything that fixes a block's size and byte layout (also what a store record must match)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, arch, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """Spec for a `ModelArch` (kvstrata.model.arch)."""
+        return cls(arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one block across all layers: (L, 2, KVH, bs, D)."""
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        l, two, h, bs, d = self.block_shape
+        return l * two * h * bs * d * torch.empty((), dtype=self.dtype).element_size()
+
+
+class PagedKVCache:
+    """K and V of `num_blocks` blocks for every layer; slots are addressed by flat index.
+
+    Mutated only through `write` (the model, one layer at a time) and `write_blocks`
+    (tier transfers). Callers may hold a `layer()` view for the duration of a forward.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu",
+                 pin_memory: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a KV cache needs at least one block, not {num_blocks}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        l, _, h, bs, d = spec.block_shape
+        self.data = torch.zeros((l, 2, h, num_blocks, bs, d), dtype=spec.dtype, device=device,
+                                pin_memory=pin_memory)   # (L, 2, KVH, N, bs, D)
+        self.device = self.data.device
+        # Per-layer flat views, made once: (2, KVH, N * bs, D) for slot writes.
+        self._slots = [self.data[i].view(2, h, num_blocks * bs, d) for i in range(l)]
+
+    @classmethod
+    def blocks_for_budget(cls, spec: KVCacheSpec, budget_bytes: int) -> int:
+        """How many blocks fit in `budget_bytes` (0 when not even one does)."""
+        return max(0, int(budget_bytes) // spec.bytes_per_block)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.spec.bytes_per_block
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """(2, KVH, N, bs, D) view of one layer's K and V."""
+        return self.data[layer]
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v of shape (T, KVH, D) at flat slots `slot_mapping` (T,)."""
+        slots = self._slots[layer]                              # (2, KVH, N * bs, D)
+        slots[0].index_copy_(1, slot_mapping, k.transpose(0, 1))   # (KVH, T, D)
+        slots[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+    def read_blocks(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Copy of blocks `block_ids`, all layers: (n, L, 2, KVH, bs, D), on this cache's device."""
+        ids = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device)
+        l, two, h, bs, d = self.spec.block_shape
+        picked = self.data.view(l * two * h, self.num_blocks, bs * d).index_select(1, ids)  # (L*2*KVH, n, bs*D)
+        return picked.view(l, two, h, len(ids), bs, d).permute(3, 0, 1, 2, 4, 5).contiguous()
+
+    def write_blocks(self, block_ids: Sequence[int] | torch.Tensor, data: torch.Tensor) -> None:
+        """Overwrite blocks `block_ids` with `data` of shape (n, L, 2, KVH, bs, D) (any device)."""
+        ids = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device)
+        l, two, h, bs, d = self.spec.block_shape
+        assert data.shape == (len(ids), l, two, h, bs, d), f"block data of shape {tuple(data.shape)}"
+        src = data.to(self.device, self.spec.dtype).permute(1, 2, 3, 0, 4, 5)   # (L, 2, KVH, n, bs, D)
+        self.data.view(l * two * h, self.num_blocks, bs * d).index_copy_(
+            1, ids, src.reshape(l * two * h, len(ids), bs * d))
+
+    def read_block(self, block_id: int) -> bytes:
+        """One block's bytes in the store layout: (L, 2, KVH, bs, D) of the cache dtype, C order."""
+        block = self.read_blocks([block_id])[0].cpu()
+        return block.view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes | bytearray | memoryview | torch.Tensor) -> None:
+        """Overwrite one block from `read_block` bytes or a (L, 2, KVH, bs, D) tensor."""
+        if not isinstance(data, torch.Tensor):
+            if len(data) != self.bytes_per_block:
+                raise ValueError(f"block data has {len(data)} bytes, expected {self.bytes_per_block}")
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.spec.dtype)
+        self.write_blocks([block_id], data.reshape(1, *self.spec.block_shape))

@@ -1,0 +1,195 @@
+"""Convert a llama-architecture GGUF file, once, into an HF-style folder kvstrata loads fast.
+
+Reading a GGUF is slow in Python (`gguf.GGUFReader` parses ~100k tokenizer fields in pure Python,
+3-5 s; transformers' GGUF tokenizer path parses it again), so the result is cached:
+
+    <cache root>/models/gguf-<sha256 of the file>-v<CONVERTER_VERSION>/
+        model.safetensors   float32, HF Llama tensor names, q/k rows back in HF order
+        config.json         HF Llama config (both `rope_theta` and v5 `rope_parameters`)
+        tokenizer.json, tokenizer_config.json, chat_template.jinja   (when the GGUF has a tokenizer)
+        kvstrata.json       where it came from
+
+The folder is written under a temporary name and renamed into place, so a reader never sees a
+half-written folder and two processes converting at once both end up with one complete copy.
+Weights are dequantized to float32: Q4_1 / Q8_0 values are d * q + m with float16 scales, which
+bfloat16 cannot hold exactly, and the loader converts to the run dtype anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from safetensors.numpy import save_file
+from transformers import AutoTokenizer
+
+logger = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_QUANT_SUFFIX = re.compile(r"[.-](?:[a-z]?q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+def model_name(path: Path) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'."""
+    return _QUANT_SUFFIX.sub("", path.stem)
+
+
+def converted_dir(cache_root: Path, sha256: str) -> Path:
+    return cache_root / "models" / f"gguf-{sha256}-v{CONVERTER_VERSION}"
+
+
+def ensure_converted(path: Path, cache_root: Path, sha256: str) -> Path:
+    """The converted folder for the GGUF at `path` (whose content hash is `sha256`); converts on a miss."""
+    final = converted_dir(cache_root, sha256)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        _convert(path, tmp, sha256)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+            logger.info("another process converted %s first; using its copy", path.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s into %s in %.1fs (done once per file)", path.name, final,
+                time.perf_counter() - start)
+    return final
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (it interleaves the two RoPE halves of each head)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _convert(path: Path, out: Path, sha256: str) -> None:
+    reader = gguf.GGUFReader(path)
+
+    def meta(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = meta("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported; kvstrata reads "
+                         "llama-architecture GGUF files (Llama, Mistral, SmolLM2) or HF folders")
+    config = _hf_config(meta, reader)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if ".q_proj." in name:
+            w = unpermute_rope_rows(w, heads)
+        elif ".k_proj." in name:
+            w = unpermute_rope_rows(w, kv_heads)
+        tensors[name] = np.ascontiguousarray(w)
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    has_tokenizer = "tokenizer.ggml.model" in reader.fields
+    del reader
+    if has_tokenizer:
+        _save_tokenizer(path, out)
+    else:
+        logger.warning("%s has no tokenizer; the model will take token ids only", path.name)
+    (out / "kvstrata.json").write_text(json.dumps(
+        {"source": str(path), "sha256": sha256, "converter_version": CONVERTER_VERSION}, indent=2))
+    for f in out.iterdir():             # mkdtemp and save_file leave owner-only modes
+        f.chmod(0o644)
+    out.chmod(0o755)
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base == "rope_freqs":
+        raise ValueError("this GGUF carries rope_freqs (Llama 3 style RoPE scaling), which kvstrata "
+                         "cannot read from GGUF; use the model's HF folder instead")
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a llama-architecture model")
+
+
+def _hf_config(meta, reader) -> dict[str, Any]:
+    hidden = int(meta("llama.embedding_length"))
+    heads = int(meta("llama.attention.head_count"))
+    theta = float(meta("llama.rope.freq_base", 10000.0))
+    rope_type = meta("llama.rope.scaling.type", "none")
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if rope_type == "linear":
+        rope_parameters = {"rope_type": "linear", "rope_theta": theta,
+                           "factor": float(meta("llama.rope.scaling.factor"))}
+    elif rope_type != "none":
+        raise ValueError(f"GGUF rope scaling {rope_type!r} is not supported")
+    vocab = meta("llama.vocab_size")
+    if vocab is None:
+        vocab = next(t.shape[-1] for t in reader.tensors if t.name == "token_embd.weight")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("llama.feed_forward_length")),
+        "num_hidden_layers": int(meta("llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("llama.attention.head_count_kv", heads)),
+        "head_dim": int(meta("llama.attention.key_length", meta("llama.rope.dimension_count",
+                                                                   hidden // heads))),
+        "rms_norm_eps": float(meta("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(meta("llama.context_length", 2048)),
+        "rope_theta": theta,
+        "rope_parameters": rope_parameters,
+        "mlp_bias": False,
+        "dtype": "float32",
+    }
+    if rope_parameters["rope_type"] != "default":
+        config["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    for key in ("bos", "eos", "pad"):
+        token = meta(f"tokenizer.ggml.{key}_token_id")
+        if token is not None:
+            config[f"{key}_token_id"] = int(token)
+    return config
+
+
+def _save_tokenizer(path: Path, out: Path) -> None:
+    """Tokenizer and chat template through transformers' own GGUF conversion (once; ~5-8 s)."""
+    start = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise ValueError(f"transformers cannot build the tokenizer of {path.name}: {e}") from e
+    tokenizer.save_pretrained(out)
+    logger.info("converted the GGUF tokenizer in %.1fs", time.perf_counter() - start)

@@ -1,0 +1,147 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Pre-norm decoder: x -> RMSNorm -> fused QKV -> RoPE -> paged attention -> O -> residual,
+then RMSNorm -> fused gate|up -> SiLU(gate) * up -> down -> residual; final RMSNorm and the
+LM head (tied to the embeddings or not). The math follows transformers' `LlamaForCausalLM`
+so logits match it in float32; the structure is gpt-fast's: parameters are created on the meta
+device and replaced by the loaded tensors (`assign=True`), so weights are never allocated twice.
+
+Q/K/V and gate/up are fused into single matmuls, which matters at decode where each matmul
+reads all its weights for a handful of rows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.kvcache.buffers import PagedKVCache
+from kvstrata.model.arch import ModelArch
+from kvstrata.model.attention import AttentionPlan, PagedAttention
+from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.linear import linear, split_parts
+from kvstrata.model.rope import RotaryTables, apply_rotary
+
+logger = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalize in float32, scale in the model dtype. Five plain ops;
+    `F.rms_norm` decomposes into about twice as many on CPU."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
+    return weight * normed.to(x.dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, parts: int) -> None:
+        super().__init__()
+        e, i = arch.hidden_size, arch.intermediate_size
+        qkv = arch.q_size + 2 * arch.kv_size
+        self.arch = arch
+        self.parts = parts                  # row slabs per matmul, see kvstrata.model.linear
+        self.input_norm = _param(e, dtype=dtype)
+        self.qkv = _param(qkv, e, dtype=dtype)
+        self.qkv_bias = _param(qkv, dtype=dtype) if arch.attention_bias else None
+        self.o = _param(e, arch.q_size, dtype=dtype)
+        self.o_bias = _param(e, dtype=dtype) if arch.attention_out_bias else None
+        self.post_norm = _param(e, dtype=dtype)
+        self.gate_up = _param(2 * i, e, dtype=dtype)
+        self.down = _param(e, i, dtype=dtype)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKVCache,
+                index: int, attn: PagedAttention, plan: AttentionPlan) -> torch.Tensor:
+        """h (T, E) -> (T, E), updated in place; writes this layer's K/V for the batch's tokens."""
+        a = self.arch
+        t = h.shape[0]
+        nh, nkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        x = rms_norm(h, self.input_norm, a.rms_norm_eps)                          # (T, E)
+        p = self.parts
+        qkv = linear(x, self.qkv, self.qkv_bias, p)                               # (T, (H + 2 KVH) D)
+        qk = apply_rotary(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # (T, H + KVH, D)
+        q, k = qk[:, :nh], qk[:, nh:]                                             # (T, H, D), (T, KVH, D)
+        v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)                               # (T, KVH, D)
+        kv.write(index, plan.slot_mapping, k, v)
+        o = attn(q, k, v, kv.layer(index), plan)                                  # (T, H D)
+        h.add_(linear(o, self.o, self.o_bias, p))
+        x = rms_norm(h, self.post_norm, a.rms_norm_eps)
+        gu = linear(x, self.gate_up, None, p)                                     # (T, 2 I)
+        i = a.intermediate_size
+        h.add_(linear(F.silu(gu[:, :i]).mul_(gu[:, i:]), self.down, None, p))    # (T, E)
+        return h
+
+
+class LlamaModel(nn.Module):
+    """Parameters start on the meta device; `load_hf_weights` makes the model runnable."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.device = torch.empty(0, device=device).device     # canonical: 'cuda' -> 'cuda:0'
+        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.parts = split_parts(self.device, [arch.q_size + 2 * arch.kv_size, arch.hidden_size,
+                                               2 * arch.intermediate_size, arch.vocab_size])
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.parts) for _ in range(arch.num_layers))
+        self.norm = _param(arch.hidden_size, dtype=dtype)
+        self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size,
+                                                                    dtype=dtype)
+        self.rope = RotaryTables(arch, dtype, self.device)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), fuse, convert and
+        assign them. Consumes `tensors` (entries are dropped as they are used)."""
+        own = {}
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"the checkpoint has no tensor {name!r}")
+            return tensors.pop(name).to(self.device, self.dtype)
+
+        own["embed_tokens"] = take("model.embed_tokens.weight")
+        own["norm"] = take("model.norm.weight")
+        if self.lm_head is not None:
+            own["lm_head"] = take("lm_head.weight")
+        tensors.pop("lm_head.weight", None)       # tied checkpoints may still store a copy
+        for i in range(self.arch.num_layers):
+            p, attn, mlp = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            own[f"layers.{i}.input_norm"] = take(p + "input_layernorm.weight")
+            own[f"layers.{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
+            own[f"layers.{i}.qkv"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"])
+            if self.arch.attention_bias:
+                own[f"layers.{i}.qkv_bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"])
+            own[f"layers.{i}.o"] = take(attn + "o_proj.weight")
+            if self.arch.attention_out_bias:
+                own[f"layers.{i}.o_bias"] = take(attn + "o_proj.bias")
+            own[f"layers.{i}.gate_up"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+            own[f"layers.{i}.down"] = take(mlp + "down_proj.weight")
+        leftover = [n for n in tensors if not n.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            raise ValueError(f"the checkpoint has {len(leftover)} tensors kvstrata does not use, "
+                             f"e.g. {leftover[:3]}")
+        self.load_state_dict(own, strict=True, assign=True)
+        for name, param in self.named_parameters():
+            param.requires_grad_(False)
+            assert param.device == self.device, f"{name} on {param.device}"
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """Run one step: writes K/V of every token in `batch`, returns float32 logits of shape
+        (S, vocab) for the rows `batch.logits_indices`, in that order."""
+        assert kv.spec.dtype == self.dtype, f"KV cache is {kv.spec.dtype}, model is {self.dtype}"
+        plan = self.attn.plan(batch, kv.block_size, self.dtype)
+        cos, sin = self.rope.lookup(batch.positions)                 # (T, 1, D) each
+        h = F.embedding(batch.input_ids, self.embed_tokens)         # (T, E)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv, index, self.attn, plan)
+        h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps)   # (S, E)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return linear(h, head, None, self.parts).float()            # (S, vocab)

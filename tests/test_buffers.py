@@ -1,0 +1,59 @@
+"""PagedKVCache: slot writes land in the right block, blocks move between caches and bytes intact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
+
+SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+
+
+def filled(spec: KVCacheSpec, num_blocks: int, seed: int = 0) -> PagedKVCache:
+    cache = PagedKVCache(spec, num_blocks)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(seed)))
+    return cache
+
+
+def test_sizes():
+    assert SPEC.block_shape == (3, 2, 2, 4, 8)
+    assert SPEC.bytes_per_block == 3 * 2 * 2 * 4 * 8 * 4
+    assert PagedKVCache.blocks_for_budget(SPEC, 10 * SPEC.bytes_per_block + 1) == 10
+    assert PagedKVCache.blocks_for_budget(SPEC, SPEC.bytes_per_block - 1) == 0
+    assert PagedKVCache(SPEC, 5).nbytes == 5 * SPEC.bytes_per_block
+    with pytest.raises(ValueError):
+        PagedKVCache(SPEC, 0)
+
+
+def test_write_by_slot_lands_in_block_and_offset():
+    cache = PagedKVCache(SPEC, 6)
+    k = torch.randn(3, 2, 8)                     # (T, KVH, D)
+    v = torch.randn(3, 2, 8)
+    slots = torch.tensor([5 * 4 + 3, 0 * 4 + 0, 2 * 4 + 1])
+    cache.write(1, slots, k, v)
+    layer = cache.layer(1)                       # (2, KVH, N, bs, D)
+    for t, (block, offset) in enumerate([(5, 3), (0, 0), (2, 1)]):
+        assert torch.equal(layer[0, :, block, offset], k[t])
+        assert torch.equal(layer[1, :, block, offset], v[t])
+    assert cache.layer(0).abs().sum() == 0 and cache.layer(2).abs().sum() == 0
+
+
+def test_blocks_move_between_caches_with_all_layers():
+    device, host = filled(SPEC, 8, seed=1), PagedKVCache(SPEC, 5)
+    host.write_blocks([4, 0], device.read_blocks([6, 2]))
+    assert torch.equal(host.data[:, :, :, 4], device.data[:, :, :, 6])
+    assert torch.equal(host.data[:, :, :, 0], device.data[:, :, :, 2])
+    assert host.data[:, :, :, 1:4].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_bytes_round_trip(dtype):
+    spec = KVCacheSpec(2, 1, 4, 2, dtype)
+    src, dst = filled(spec, 3, seed=2), PagedKVCache(spec, 4)
+    raw = src.read_block(1)
+    assert isinstance(raw, bytes) and len(raw) == spec.bytes_per_block
+    dst.write_block(3, memoryview(raw))
+    assert torch.equal(dst.read_blocks([3]), src.read_blocks([1]))
+    with pytest.raises(ValueError, match="bytes"):
+        dst.write_block(0, raw[:-1])
