@@ -51,7 +51,7 @@ def _require(condition: bool, message: str) -> None:
 class SamplingParams:
     """How to pick tokens and when to stop. Defaults follow the OpenAI API."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16    # None: up to the context length (the engine resolves it)
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -72,9 +72,9 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> SamplingParams:
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        _require(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                  f"max_tokens must be a positive integer, not {self.max_tokens!r}")
-        _require(0 <= self.min_tokens <= self.max_tokens,
+        _require(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
                  f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), not {self.min_tokens}")
         _require(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
                  f"temperature must be between 0 and 100, not {self.temperature}")
@@ -117,6 +117,7 @@ class Request:
 
     def __post_init__(self) -> None:
         _require(len(self.prompt_token_ids) >= 1, "the prompt must hold at least one token")
+        assert self.sampling.max_tokens is not None, "resolve max_tokens before building a Request"
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.hasher.extend(self.block_hashes, self.token_ids)

@@ -1,0 +1,157 @@
+"""`kvstrata generate | serve | ...`: the command line.
+
+Engine flags are generated from the config dataclasses (name, type, default, help, choices), so
+a new config field is a new flag and no flag can name a field that does not exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import time
+import types
+import typing
+from collections.abc import Callable
+
+from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, parse_size
+
+ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+
+
+def _flag_type(field: dataclasses.Field, hint: object) -> Callable[[str], object]:
+    if field.metadata.get("size"):
+        return parse_size
+    if isinstance(hint, types.UnionType):     # X | None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_section_flags(parser: argparse.ArgumentParser, title: str, section: type) -> None:
+    group = parser.add_argument_group(f"{title} options")
+    hints = typing.get_type_hints(section)
+    for field in dataclasses.fields(section):
+        flag = "--" + field.name.replace("_", "-")
+        help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
+        if hints[field.name] is bool:
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                               default=field.default, help=help_text)
+        else:
+            group.add_argument(flag, dest=field.name, type=_flag_type(field, hints[field.name]),
+                               default=field.default, choices=field.metadata.get("choices"), help=help_text)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    for title, section in ENGINE_SECTIONS:
+        add_section_flags(parser, title, section)
+    parser.add_argument("--audit-every-step", action="store_true",
+                        help="check block conservation and refcounts after every step")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    options = {f.name: getattr(args, f.name) for _, section in ENGINE_SECTIONS for f in dataclasses.fields(section)}
+    return EngineConfig.from_options(audit_every_step=args.audit_every_step, **options)
+
+
+# ---- generate -----------------------------------------------------------------------------------
+def add_generate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("generate", help="complete prompts in-process and print figures")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="prompt text; repeat the flag to run several one after another (later ones "
+                             "can reuse the KV of earlier ones)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    add_engine_flags(parser)
+    parser.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kvstrata.engine import LLMEngine
+    from kvstrata.request import SamplingParams
+
+    engine = LLMEngine(engine_config(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    for text in args.prompt:
+        prompt = engine.chat_prompt([{"role": "user", "content": text}]) if args.chat else text
+        request = engine.add_request(prompt, params)
+        started = time.perf_counter()
+        first = None
+        while engine.has_unfinished:
+            for out in engine.step():
+                first = first or time.perf_counter()
+                print(out.text, end="", flush=True)
+        ended = time.perf_counter()
+        print()
+        computed = request.num_prompt_tokens - request.num_cached_tokens
+        decode_rate = (request.num_output_tokens - 1) / (ended - first) if ended > first else float("nan")
+        print(f"[{request.num_prompt_tokens} prompt tokens ({request.num_cached_tokens} cached) in "
+              f"{first - started:.3f}s: {computed / (first - started):.1f} tok/s | {request.num_output_tokens} "
+              f"output tokens: {decode_rate:.1f} tok/s decode | finish: {request.status.finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+# ---- serve --------------------------------------------------------------------------------------
+def add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_section_flags(parser, "server", ServerConfig)
+    add_engine_flags(parser)
+    parser.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvstrata.engine import AsyncLLMEngine, LLMEngine
+    from kvstrata.server import create_app
+
+    server = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}).validate()
+    engine = LLMEngine(engine_config(args))
+    async_engine = AsyncLLMEngine(engine).start()
+    name = server.served_model_name or engine.loaded.name
+    app = create_app(async_engine, name, server.api_key, server.max_queue)
+    logging.getLogger("kvstrata").warning("serving %s on http://%s:%d (OpenAI API under /v1)", name,
+                                          server.host, server.port)
+    # uvicorn stops accepting on SIGTERM/SIGINT, lets open requests run for shutdown_timeout seconds,
+    # then cancels them (which aborts their requests); what is left is aborted below. Once done it
+    # re-raises the signal into the handlers it found: these, so the process goes on to exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level.lower(),
+                                  timeout_graceful_shutdown=server.shutdown_timeout)).run()
+    async_engine.shutdown()
+    return 0
+
+
+# ---- entry --------------------------------------------------------------------------------------
+COMMANDS = [add_generate, add_serve]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstrata", description="LLM serving with a three-tier KV cache")
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except ValueError as exc:
+        print(f"kvstrata: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""`LLMEngine` (synchronous) and `AsyncLLMEngine` (one thread drives it for the server).
+
+    step():  schedule -> run the model -> update the ledger -> turn tokens into outputs
+
+`LLMEngine` is not thread-safe: `AsyncLLMEngine` gives it one thread of its own and funnels every
+add and abort through a command queue that thread drains between steps, so the scheduler, the
+pools and the tokenizer are only ever touched by that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.config import EngineConfig
+from kvstrata.detokenizer import IncrementalDetokenizer
+from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.kvcache.storage import open_store
+from kvstrata.kvcache.tiers import TierManager
+from kvstrata.model.loader import LoadedModel, load_model
+from kvstrata.request import Request, RequestOutput, RequestStatus, SamplingParams
+from kvstrata.runner import ModelRunner, StepResult
+from kvstrata.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Messages to render with the model's chat template (in the engine thread, with the tokenizer)."""
+
+    messages: tuple[dict[str, Any], ...]
+
+
+Prompt = str | Sequence[int] | ChatPrompt
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, for metrics and the CLI's figures."""
+
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    audit_failures: int = 0
+    step_seconds: float = 0.0
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request beside its ledger."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config.validate()
+        self.loaded = loaded or load_model(config.model)
+        self.tokenizer = self.loaded.tokenizer
+        self.runner = ModelRunner(self.loaded, config.cache)
+        cache = config.cache
+        self.store = open_store(cache.store, cache.store_path, cache.store_capacity, cache.store_timeout)
+        self.tiers = TierManager(cache, self.runner.num_device_blocks, self.runner.num_host_blocks,
+                                 store=self.store, mover=self.runner.buffers)
+        self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids)
+        self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)
+        self.stats = EngineStats()
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # ---- intake ---------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, ChatPrompt):
+            return self.chat_prompt(prompt.messages)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat rendered with the model's own template, ready for the reply."""
+        if not self.loaded.chat_template:
+            raise ValueError(f"the model {self.loaded.name} has no chat template; use a completion instead")
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        except Exception as exc:        # the template's own checks (role order, missing fields)
+            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+        return self.encode(text)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Tokenize, validate and queue a request; ValueError (nothing queued) if it cannot run.
+
+        `params.max_tokens` None means as many as the context leaves after the prompt.
+        """
+        token_ids = self.encode(prompt)
+        params = params or SamplingParams()
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(1, self.config.scheduler.max_model_len - len(token_ids)))
+        params = params.validate()
+        vocab = self.loaded.arch.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        request = Request(request_id or f"req-{next(self._ids)}", token_ids, params, self.hasher,
+                          arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                          priority=priority)
+        self.scheduler.add_request(request)
+        self._tracked[request.request_id] = _Tracked(
+            request, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop))
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to serve or transfers to settle; step() until this is False to reach rest."""
+        return self.scheduler.has_work
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        output = self.scheduler.schedule()
+        if output.is_empty and self.tiers.has_transfers:
+            self.tiers.wait_for_transfers(timeout=0.005)    # only loads are running: do not spin
+        result = self.runner.execute(output)
+        finished = self.scheduler.update(output, result.token_ids)
+        outputs = self._outputs(output, result, finished)
+        self._account(output, started)
+        return outputs
+
+    def _outputs(self, output: SchedulerOutput, result: StepResult, finished: list[Request]) -> list[RequestOutput]:
+        """Detokenize the sampled tokens, apply stop strings, and describe each request's progress."""
+        done = {r.request_id for r in finished}
+        outputs = []
+        for request_id, token_id in result.token_ids.items():
+            tracked = self._tracked[request_id]
+            if request_id in result.logprobs:
+                tracked.logprobs.append(result.logprobs[request_id])
+            if tracked.detokenizer.add(token_id) is not None:     # a stop string: "stop", even at the length limit
+                if request_id in done:
+                    tracked.request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
+                    done.add(request_id)
+            outputs.append(self._output(tracked, [token_id]))
+        return outputs
+
+    def _output(self, tracked: _Tracked, new_token_ids: list[int]) -> RequestOutput:
+        request = tracked.request
+        finished = request.is_finished
+        logprobs = tracked.logprobs[-len(new_token_ids):] if tracked.logprobs and new_token_ids else []
+        if finished:
+            del self._tracked[request.request_id]
+        return RequestOutput(request.request_id, new_token_ids, tracked.detokenizer.delta(final=finished),
+                             finished, request.status.finish_reason, request.num_prompt_tokens,
+                             max(0, request.num_cached_tokens), request.num_output_tokens, logprobs)
+
+    def _account(self, output: SchedulerOutput, started: float) -> None:
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - started
+        self.stats.generated_tokens += sum(chunk.sample for chunk in output.chunks)
+        self.stats.prompt_tokens_computed += sum(
+            max(0, min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens) - chunk.start)
+            for chunk in output.chunks)
+        if self.config.audit_every_step:
+            try:
+                self.scheduler.audit()
+            except AssertionError:
+                self.stats.audit_failures += 1
+                raise
+
+    # ---- other transitions ----------------------------------------------------------------------
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request in any state and release its blocks; its final output, or None if unknown."""
+        if self.scheduler.finish(request_id) is None:
+            return None
+        return self._output(self._tracked[request_id], [])
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Abort what is left, let transfers settle (up to `timeout` s), and close the store."""
+        for request_id in list(self._tracked):
+            self.abort(request_id)
+        deadline = time.monotonic() + timeout
+        while self.tiers.has_transfers and time.monotonic() < deadline:
+            self.step()
+        if self.store is not None:
+            self.store.close()
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; one combined output per prompt, in order."""
+        requests = [self.add_request(p, params) for p in prompts]
+        collected: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+        while self.has_unfinished:
+            for out in self.step():
+                collected[out.request_id].append(out)
+        return [_combine(collected[r.request_id]) for r in requests]
+
+
+def _combine(parts: list[RequestOutput]) -> RequestOutput:
+    last = parts[-1]
+    return RequestOutput(last.request_id, [t for p in parts for t in p.new_token_ids], "".join(p.text for p in parts),
+                         last.finished, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens,
+                         last.num_output_tokens, [lp for p in parts for lp in p.logprobs])
+
+
+class AsyncLLMEngine:
+    """Serves many callers from one engine thread.
+
+    `generate()` is an async iterator of outputs; leaving it early (a client disconnects, the task
+    is cancelled) aborts the request, and the engine thread releases its blocks before its next step.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+
+    def start(self) -> AsyncLLMEngine:
+        self._thread.start()
+        return self
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs as steps produce them. ValueError if it cannot run."""
+        if self.error is not None or self._stop.is_set():
+            raise RuntimeError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"async-{next(self._ids)}"
+        admitted: asyncio.Future = loop.create_future()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._send(("add", (prompt, params, request_id, priority), admitted, (loop, outputs)))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)     # queued after the add, so it cannot be overtaken
+            raise
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id, None, None))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Let running requests finish for up to `timeout` seconds, abort the rest, stop the thread."""
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        self._send(("abort_all", None, None, None))
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self.engine.close()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain_commands()
+                if self._stop.is_set():
+                    return
+                if self.engine.has_work:
+                    for out in self.engine.step():
+                        self._deliver(out)
+                else:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as exc:   # the engine is unusable: fail every caller, do not hang them
+            logger.exception("engine step failed; failing %d requests", len(self._streams))
+            self.error = exc
+            for loop, stream in self._streams.values():
+                _post(loop, stream.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
+            self._streams.clear()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload, future, stream = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(payload, future, stream)
+            elif kind == "abort":
+                out = self.engine.abort(payload)
+                if out is not None:
+                    self._deliver(out)
+            elif kind == "abort_all":
+                for request_id in list(self._streams):
+                    out = self.engine.abort(request_id)
+                    if out is not None:
+                        self._deliver(out)
+
+    def _add(self, payload: tuple, future: asyncio.Future, stream: tuple) -> None:
+        loop, _ = stream
+        prompt, params, request_id, priority = payload
+        try:
+            self.engine.add_request(prompt, params, request_id, priority)
+        except Exception as exc:      # a bad request: its caller gets the error, the engine goes on
+            _post(loop, _settle, future, exc)
+            return
+        self._streams[request_id] = stream
+        _post(loop, _settle, future, None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+        if target is not None:
+            _post(target[0], target[1].put_nowait, out)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Run `callback` on the caller's loop; a caller whose loop has closed is gone, so drop it."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        logger.debug("dropping an output for a closed event loop")
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
