@@ -1,0 +1,97 @@
+"""Prometheus metrics: request outcomes and latencies, queue gauges, and KV blocks by tier and state.
+
+Latencies are observed by the server as responses stream. Engine-side figures (blocks per state,
+queue lengths, token counters) are read from the engine at scrape time by a collector, so a scrape
+always shows the books as they are, and `free + cached + used + in_flight == total` can be checked
+from outside. Each server has its own registry, so several can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstrata.engine import LLMEngine
+from kvstrata.kvcache.block_pool import BlockState
+from kvstrata.request import RequestStatus
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's counters and pools when Prometheus scrapes."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        engine = self.engine
+        scheduler = engine.scheduler
+        statuses = [r.status for r in list(scheduler.requests.values())]
+        requests = GaugeMetricFamily("kvstrata_requests", "Unfinished requests by state", labels=["state"])
+        for state, status in (("running", RequestStatus.RUNNING), ("loading", RequestStatus.LOADING)):
+            requests.add_metric([state], sum(s is status for s in statuses))
+        requests.add_metric(["waiting"], sum(s in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for s in statuses))
+        yield requests
+
+        blocks = GaugeMetricFamily("kvstrata_kv_blocks", "KV blocks by tier and state", labels=["tier", "state"])
+        for tier, counts in engine.tiers.counts().items():
+            for state in BlockState:
+                blocks.add_metric([tier, state.value], getattr(counts, state.value))
+        yield blocks
+
+        stats = engine.tiers.stats
+        prompt = CounterMetricFamily("kvstrata_prompt_tokens", "Prompt tokens by where their KV came from",
+                                     labels=["source"])
+        prompt.add_metric(["computed"], stats.prompt_tokens - sum(stats.hit_tokens.values()))
+        for tier, tokens in stats.hit_tokens.items():
+            prompt.add_metric([tier], tokens)
+        yield prompt
+        yield CounterMetricFamily("kvstrata_generation_tokens", "Tokens generated",
+                                  value=engine.stats.generated_tokens)
+        yield CounterMetricFamily("kvstrata_preemptions", "Requests preempted", value=scheduler.num_preemptions)
+        yield _by_label("kvstrata_evicted_blocks", "Cached blocks evicted, by tier", "tier", stats.evicted_blocks)
+        yield _by_label("kvstrata_offloaded_blocks", "Blocks copied down to a tier", "tier", stats.offloaded_blocks)
+        yield _by_label("kvstrata_loaded_blocks", "Blocks loaded up from a tier", "tier", stats.loaded_blocks)
+        yield _by_label("kvstrata_load_failures", "Store loads that fell back to recompute, by reason", "reason",
+                        stats.load_failures)
+        yield _by_label("kvstrata_store_errors", "Store operations that failed, by kind", "kind", stats.store_errors)
+        yield CounterMetricFamily("kvstrata_store_dropped_writes", "Store writes dropped (queue full)",
+                                  value=stats.dropped_writes)
+        yield CounterMetricFamily("kvstrata_store_load_seconds", "Seconds spent waiting for store loads",
+                                  value=stats.load_seconds)
+        yield CounterMetricFamily("kvstrata_audit_failures", "audit() failures", value=engine.stats.audit_failures)
+        yield CounterMetricFamily("kvstrata_engine_steps", "Engine steps", value=engine.stats.steps)
+
+
+def _by_label(name: str, documentation: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
+
+
+class ServerMetrics:
+    """Everything `/metrics` exports for one server."""
+
+    def __init__(self, engine: LLMEngine):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.requests = Counter("kvstrata_requests_finished", "Requests by outcome", ["outcome"],
+                                registry=self.registry)
+        self.ttft = Histogram("kvstrata_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("kvstrata_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kvstrata_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe(self, outcome: str, arrival: float, first_token: float | None, end: float, num_output: int) -> None:
+        self.requests.labels(outcome).inc()
+        self.e2e.observe(end - arrival)
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if num_output > 1:
+                self.tpot.observe((end - first_token) / (num_output - 1))

@@ -1,0 +1,437 @@
+"""OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+Every error is an OpenAI-format body `{"error": {"message", "type", "param", "code"}}` with the
+right status; nothing a client sends can crash the server or leave a block held. Parameters the
+OpenAI API defines but kvstrata does not implement are refused with 400, never silently ignored
+(see UNSUPPORTED); unknown fields are refused too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvstrata.engine import AsyncLLMEngine, ChatPrompt, Prompt
+from kvstrata.metrics import ServerMetrics
+from kvstrata.request import RequestOutput, SamplingParams, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+MAX_STOP = 16
+
+# Defined by the OpenAI API, not implemented here: a request that sets one to a non-default value gets 400.
+UNSUPPORTED = {
+    "n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "tools": None,
+    "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
+    "parallel_tool_calls": None, "audio": None, "modalities": None, "prediction": None,
+    "web_search_options": None, "reasoning_effort": None, "service_tier": None, "store": None,
+    "metadata": None,
+}
+
+
+# ---- request bodies -----------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingBody(BaseModel):
+    """Fields shared by chat and completions (OpenAI names, plus vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)               # extension (vLLM); 0 = off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # extension
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # extension
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None           # extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False                          # extension
+    min_tokens: int = Field(default=0, ge=0)          # extension
+    priority: int = 0                                 # extension: lower is served first (policy=priority)
+    user: str | None = None                           # accepted; kvstrata keeps no per-user state
+    # Defined by OpenAI, refused unless default (see UNSUPPORTED).
+    n: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
+        return value
+
+    def refuse_unsupported(self) -> None:
+        for name, default in UNSUPPORTED.items():
+            value = getattr(self, name, default)
+            if value is None or value == default or (name == "response_format" and value == {"type": "text"}):
+                continue
+            raise ApiError(400, f"'{name}' is not supported by kvstrata", param=name)
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """max_tokens None: up to the context length, resolved once the prompt is tokenized."""
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(stops),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+        ).validate()
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error", 500: "internal_error", 503: "overloaded_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    if first.get("type") == "extra_forbidden":
+        return f"unknown parameter '{param}'", param
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+# ---- the app ------------------------------------------------------------------------------------
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    model_name: str
+    max_model_len: int
+    api_key: str | None
+    max_queue: int
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256) -> FastAPI:
+    """The HTTP API over a started AsyncLLMEngine."""
+    app = FastAPI(title="kvstrata", version="0.1.0")
+    state = ServerState(engine, model_name, engine.engine.config.scheduler.max_model_len, api_key, max_queue,
+                        ServerMetrics(engine.engine))
+    app.state.kvstrata = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        logger.exception("internal error")
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return error_response(503, f"engine failed: {engine.error!r}")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
+                                            "owned_by": "kvstrata", "max_model_len": state.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        _check_common(state, body)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        return await _respond(state, request, body, ChatPrompt(tuple(messages)), max_tokens, logprobs, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_common(state, body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, "batched prompts are not supported: send one request per prompt", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        return await _respond(state, request, body, prompt, body.max_tokens, body.logprobs, chat=False)
+
+    return app
+
+
+def _check_common(state: ServerState, body: _SamplingBody) -> None:
+    if body.model is not None and body.model != state.model_name:
+        raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{state.model_name}'",
+                       param="model", code="model_not_found")
+    body.refuse_unsupported()
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if state.engine.num_unfinished >= state.max_queue:
+        raise ApiError(503, f"the server is at capacity ({state.max_queue} requests in flight); retry later",
+                       code="server_overloaded")
+
+
+async def _respond(state: ServerState, request: Request, body: _SamplingBody, prompt: Prompt,
+                   max_tokens: int | None, logprobs: int | None, chat: bool):
+    kind = "chat.completion" if chat else "text_completion"
+    try:
+        params = body.sampling(max_tokens, logprobs)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    tracker = _Tracker(state, time.monotonic())
+    stream = state.engine.generate(prompt, params, request_id, body.priority)
+    try:
+        first = await anext(stream)
+    except ValueError as exc:        # refused by the engine (too long, bad template input): nothing queued
+        tracker.done(rejected=True)
+        raise ApiError(400, str(exc), param="messages" if chat else "prompt") from exc
+    tracker.seen(first)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream:
+        return StreamingResponse(_sse(state, tracker, first, stream, request_id, chat, include_usage),
+                                 media_type="text/event-stream")
+    outputs = [first]
+    try:
+        if not first.finished:
+            async for out in _until_disconnected(request, stream):
+                tracker.seen(out)
+                outputs.append(out)
+    finally:
+        tracker.done()
+    return _full_response(state, outputs, request_id, kind, chat, tracker.arrival_wall)
+
+
+class _Tracker:
+    """Latency bookkeeping for one request, reported to metrics when it ends (however it ends)."""
+
+    def __init__(self, state: ServerState, arrival: float):
+        self.state, self.arrival = state, arrival
+        self.arrival_wall = int(time.time())
+        self.first: float | None = None
+        self.last: RequestOutput | None = None
+
+    def seen(self, out: RequestOutput) -> None:
+        if out.new_token_ids and self.first is None:
+            self.first = time.monotonic()
+        self.last = out
+
+    def done(self, rejected: bool = False) -> None:
+        last = self.last
+        outcome = "rejected" if rejected else (last.finish_reason or "abort") if last and last.finished else "abort"
+        self.state.metrics.observe(outcome, self.arrival, self.first, time.monotonic(),
+                                   last.num_output_tokens if last else 0)
+
+
+async def _until_disconnected(request: Request, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Iterate `stream`, but stop (and so abort the request) if the client goes away meanwhile."""
+    iterator = stream.__aiter__()
+    while True:
+        step = asyncio.ensure_future(anext(iterator))
+        while not step.done():
+            done, _ = await asyncio.wait({step}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                step.cancel()
+                await iterator.aclose()
+                return
+        try:
+            yield step.result()
+        except StopAsyncIteration:
+            return
+
+
+def _usage(out: RequestOutput) -> dict:
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def _token_text(state: ServerState, token_id: int) -> str:
+    return state.engine.engine.tokenizer.decode([token_id])
+
+
+def _chat_logprobs(state: ServerState, entries: list[TokenLogprob]) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = _token_text(state, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def _completion_logprobs(state: ServerState, entries: list[TokenLogprob], offset: int) -> dict:
+    tokens = [_token_text(state, e.token_id) for e in entries]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token_text(state, t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def _full_response(state: ServerState, outputs: list[RequestOutput], request_id: str, kind: str, chat: bool,
+                   created: int) -> dict:
+    last = outputs[-1]
+    text = "".join(o.text for o in outputs)
+    entries = [lp for o in outputs for lp in o.logprobs]
+    wants_logprobs = bool(entries)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason if last.finished else "abort"}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = _chat_logprobs(state, entries) if wants_logprobs else None
+    else:
+        choice["text"] = text
+        choice["logprobs"] = _completion_logprobs(state, entries, 0) if wants_logprobs else None
+    return {"id": request_id, "object": kind, "created": created, "model": state.model_name,
+            "choices": [choice], "usage": _usage(last)}
+
+
+async def _sse(state: ServerState, tracker: _Tracker, first: RequestOutput, stream: AsyncIterator[RequestOutput],
+               request_id: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; the client going away cancels this generator, which aborts the request."""
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+    created = tracker.arrival_wall
+    offset = 0
+
+    def event(choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": request_id, "object": chunk_kind, "created": created, "model": state.model_name,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def choice(out: RequestOutput) -> dict:
+        nonlocal offset
+        finish = out.finish_reason if out.finished else None
+        if chat:
+            item = {"index": 0, "delta": {"content": out.text} if out.text else {}, "finish_reason": finish,
+                    "logprobs": _chat_logprobs(state, out.logprobs) if out.logprobs else None}
+        else:
+            item = {"index": 0, "text": out.text, "finish_reason": finish,
+                    "logprobs": _completion_logprobs(state, out.logprobs, offset) if out.logprobs else None}
+        offset += len(out.text)
+        return item
+
+    try:
+        if chat:
+            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        last = first
+        yield event([choice(first)])
+        if not first.finished:
+            async for out in stream:
+                tracker.seen(out)
+                last = out
+                yield event([choice(out)])
+        if include_usage:
+            yield event([], _usage(last))
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()
+        tracker.done()

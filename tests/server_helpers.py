@@ -1,0 +1,73 @@
+"""Run a kvstrata server in-process on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from kvstrata.config import EngineConfig
+from kvstrata.engine import AsyncLLMEngine, LLMEngine
+from kvstrata.server import create_app
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(loaded, api_key: str | None = None, max_queue: int = 256, **options):
+    """Yield (base_url, engine); on exit, stop the server and the engine thread."""
+    options.setdefault("kv_cache_memory", "64MiB")
+    engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded)
+    async_engine = AsyncLLMEngine(engine).start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(async_engine, MODEL, api_key, max_queue),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    try:
+        yield base, engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        async_engine.shutdown()
+
+
+def scrape(base: str) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    values = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        match = re.match(r"^(kvstrata_\S+) (\S+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def wait_idle(engine: LLMEngine, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not engine.has_unfinished, "requests still in the engine"
+
+
+def blocks_at_rest(base: str) -> dict[str, float]:
+    metrics = scrape(base)
+    return {state: metrics[f'kvstrata_kv_blocks{{state="{state}",tier="device"}}']
+            for state in ("free", "cached", "used", "in_flight")}
