@@ -25,8 +25,11 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
+# The embedded default: SmolLM2 on CPU, 1 GiB of host KV under the device cache, the disk store below.
+SERVE_ARGS ?= --host-cache-memory 1GiB --store disk
+
 serve: $(STAMP)
-	$(BIN)/kvstrata serve $(ARGS)
+	$(BIN)/kvstrata serve $(SERVE_ARGS) $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -12,8 +12,10 @@ flags, so the flags cannot drift from what exists.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -23,6 +25,11 @@ WRITE_POLICIES = ("write_back", "write_through")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
                "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def cache_dir() -> Path:
+    """Where kvstrata keeps converted models and the disk store: $KVSTRATA_CACHE_DIR or ~/.cache/kvstrata."""
+    return Path(os.environ.get("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")
 
 
 def parse_size(text: str | int) -> int:
@@ -67,6 +74,16 @@ class CacheConfig:
                                                "(overrides --kv-cache-memory)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV of prefixes computed before")
     cache_salt: str = _opt("", "salt mixed into every block hash (isolates tenants sharing a store)")
+    host_cache_memory: int = _opt(0, "bytes of host memory for the host KV tier (0: no host tier)", size=True)
+    num_host_blocks: int | None = _opt(None, "exact number of host KV blocks (overrides --host-cache-memory)")
+    store: str = _opt("none", "KV store below host memory: none, disk, or redis://host:port/db")
+    store_path: str | None = _opt(None, "folder of the disk store (default: $KVSTRATA_CACHE_DIR/store, "
+                                        "else ~/.cache/kvstrata/store)")
+    store_capacity: int = _opt(20 * 1024**3, "byte budget of the disk store (least recently read deleted first)",
+                               size=True)
+    store_timeout: float = _opt(2.0, "seconds a store lookup or load may take before it counts as a miss")
+    write_policy: str = _opt("write_back", "write_back: offload a block when it is evicted; write_through: as "
+                                           "soon as it is full", WRITE_POLICIES)
     reserve_ratio_init: float = _opt(0.7, "share of running requests' remaining max_tokens kept "
                                           "free at admission, right after start or a preemption")
     reserve_ratio_min: float = _opt(0.1, "floor the reserved share decays to")
@@ -81,6 +98,14 @@ class CacheConfig:
                  "num_device_blocks must be at least 1")
         _require(0.0 <= self.reserve_ratio_min <= self.reserve_ratio_init <= 1.0,
                  "need 0 <= reserve_ratio_min <= reserve_ratio_init <= 1")
+        _require(self.host_cache_memory >= 0, "host_cache_memory must not be negative")
+        _require(self.num_host_blocks is None or self.num_host_blocks >= 0, "num_host_blocks must not be negative")
+        _require(self.store in ("none", "disk") or self.store.startswith("redis://"),
+                 f"store must be none, disk or a redis:// URL, not {self.store!r}")
+        _require(self.store_capacity > 0, "store_capacity must be positive")
+        _require(self.store_timeout > 0, "store_timeout must be positive")
+        _require(self.write_policy in WRITE_POLICIES,
+                 f"write_policy must be one of {', '.join(WRITE_POLICIES)}, not {self.write_policy!r}")
         _require(self.reserve_ratio_decay >= 0.0, "reserve_ratio_decay must not be negative")
         _require(self.reserve_clip_tokens >= 0, "reserve_clip_tokens must not be negative")
 
@@ -105,6 +130,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server's own options; the engine never sees them."""
+
+    host: str = _opt("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
+    port: int = _opt(8000, "TCP port")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1/* (default: open)")
+    served_model_name: str | None = _opt(None, "model name clients must send (default: the model's own)")
+    max_queue: int = _opt(256, "requests in flight (running or waiting) before new ones get 503")
+    shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
+
+    def validate(self) -> ServerConfig:
+        _require(0 <= self.port <= 65535, f"port must be in 0..65535, not {self.port}")
+        _require(self.max_queue >= 1, "max_queue must be at least 1")
+        _require(self.shutdown_timeout >= 0, "shutdown_timeout must not be negative")
+        return self
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -117,6 +160,17 @@ class EngineConfig:
         self.scheduler.validate()
         return self
 
-    def replace(self, **sections) -> EngineConfig:
-        """A copy with some sections or fields changed: `config.replace(cache=CacheConfig(...))`."""
-        return dataclasses.replace(self, **sections)
+    @classmethod
+    def from_options(cls, **options) -> EngineConfig:
+        """Build from flat field names of any section: `EngineConfig.from_options(block_size=32, model=...)`."""
+        sections = {}
+        for name in ("model", "cache", "scheduler"):
+            section_type = {f.name: f for f in dataclasses.fields(cls)}[name].default_factory
+            fields = {f.name: f for f in dataclasses.fields(section_type)}
+            values = {k: options.pop(k) for k in list(options) if k in fields}
+            sections[name] = section_type(**{k: parse_size(v) if fields[k].metadata.get("size") else v
+                                             for k, v in values.items()})
+        top = {k: options.pop(k) for k in list(options) if k in {f.name for f in dataclasses.fields(cls)}}
+        if options:
+            raise ValueError(f"unknown option(s): {', '.join(sorted(options))}")
+        return cls(**sections, **top).validate()

@@ -68,6 +68,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}      # every request not yet finished
         self.running: list[Request] = []
+        self.loading: list[Request] = []            # admitted, waiting for store loads to land
         self._waiting: list[tuple] = []             # heap of (key, seq, request); stale entries skipped
         self._waiting_key: dict[str, tuple] = {}    # request id -> its live heap key
         self._seq = itertools.count()
@@ -105,6 +106,7 @@ class Scheduler:
         key = (request.status is not RequestStatus.PREEMPTED, *self._rank(request), next(self._seq))
         self._waiting_key[request.request_id] = key
         heapq.heappush(self._waiting, (key, request))
+        self.tiers.prepare(request)                 # start its store lookup now, not at the queue's head
 
     @property
     def num_waiting(self) -> int:
@@ -114,6 +116,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_work(self) -> bool:
+        """Requests to serve, or transfers to settle (a load outliving its aborted request)."""
+        return bool(self.requests) or self.tiers.has_transfers
+
     def waiting_requests(self) -> list[Request]:
         """Waiting requests in the order they would be admitted."""
         return [request for key, request in sorted(self._waiting)
@@ -121,6 +128,10 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        for request in self.tiers.poll_loads():
+            self.loading.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -143,20 +154,25 @@ class Scheduler:
             index += 1
         if not preempted:
             budget = self._admit(budget, chunks)
-        if chunks:
-            self.tiers.reservation.on_step()
+        self.tiers.on_step(nonempty=bool(chunks))
         return SchedulerOutput(chunks, preempted)
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         whole = not self.config.enable_chunked_prefill
         for request in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
+            if not self.tiers.prepare(request):
+                break                               # its store lookup has not answered yet
             plan = self.tiers.plan(request, budget, whole=whole)
             if plan is None:
                 break
             self.tiers.commit(plan)
             del self._waiting_key[request.request_id]
+            if plan.load_store:                     # computes once its loads land (poll_loads)
+                request.status = RequestStatus.LOADING
+                self.loading.append(request)
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._chunk(request, plan.num_new_tokens))
@@ -232,6 +248,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.LOADING:
+            self.loading.remove(request)
         self._waiting_key.pop(request.request_id, None)
         self.tiers.release(request)
         request.status = status
@@ -239,9 +257,9 @@ class Scheduler:
         del self._arrival_order[request.request_id]
 
     def preempt(self, request_id: str) -> bool:
-        """Preempt a running request now (operators and tests); False if it is not running."""
+        """Preempt a running or loading request now (operators and tests); False if it is neither."""
         request = self.requests.get(request_id)
-        if request is None or request.status is not RequestStatus.RUNNING:
+        if request is None or request.status not in (RequestStatus.RUNNING, RequestStatus.LOADING):
             return False
         self._preempt(request)
         return True
@@ -251,7 +269,7 @@ class Scheduler:
         logger.info("preempting %s: %d tokens computed, %d full blocks stay cached",
                     request.request_id, request.num_computed_tokens,
                     request.num_computed_tokens // self.tiers.block_size)
-        self.running.remove(request)
+        (self.running if request.status is RequestStatus.RUNNING else self.loading).remove(request)
         self.tiers.release(request)
         self.tiers.reservation.on_preemption()
         request.num_computed_tokens = 0
@@ -273,14 +291,20 @@ class Scheduler:
     def audit(self) -> None:
         """Queues agree with statuses, limits hold, and the tiers' own audit passes."""
         running_ids = {r.request_id for r in self.running}
+        loading_ids = {r.request_id for r in self.loading}
         assert len(running_ids) == len(self.running), "a request is listed twice in running"
-        assert len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs"
-        assert running_ids.isdisjoint(self._waiting_key), "a request is both running and waiting"
+        assert len(loading_ids) == len(self.loading), "a request is listed twice in loading"
+        assert len(self.running) + len(self.loading) <= self.config.max_num_seqs, "more than max_num_seqs admitted"
+        assert running_ids.isdisjoint(self._waiting_key) and loading_ids.isdisjoint(self._waiting_key) \
+            and running_ids.isdisjoint(loading_ids), "a request is in two queues"
         for request_id, request in self.requests.items():
             assert not request.is_finished, f"finished request {request_id} still tracked"
             running = request.status is RequestStatus.RUNNING
+            loading = request.status is RequestStatus.LOADING
             assert running == (request_id in running_ids), f"{request_id} is {request.status.name}"
-            assert running == self.tiers.holds(request_id), f"{request_id} blocks disagree with status"
-            assert running or request_id in self._waiting_key, f"{request_id} is in no queue"
+            assert loading == (request_id in loading_ids) == self.tiers.is_loading(request_id), \
+                f"{request_id} is {request.status.name} but its load says otherwise"
+            assert (running or loading) == self.tiers.holds(request_id), f"{request_id} blocks disagree with status"
+            assert running or loading or request_id in self._waiting_key, f"{request_id} is in no queue"
         assert set(self._waiting_key) <= set(self.requests), "an unknown request is waiting"
         self.tiers.audit()

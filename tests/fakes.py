@@ -9,7 +9,10 @@ any difference in what the model "saw" changes the output.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
+import xxhash
 
 from kvstrata.config import CacheConfig, SchedulerConfig
 from kvstrata.kvcache.hashing import BlockHasher
@@ -95,3 +98,122 @@ def run_all(scheduler: Scheduler, runner: FakeRunner, requests: list[Request],
         step(scheduler, runner)
     assert not scheduler.has_unfinished, "requests did not finish: the scheduler is stuck"
     return {request.request_id: request.output_token_ids for request in requests}
+
+
+# ---- lower tiers ----------------------------------------------------------------------------------
+
+
+class FakeStoreError(Exception):
+    def __init__(self, kind: str):
+        super().__init__(f"injected store fault: {kind}")
+        self.kind = kind
+
+
+class FakeMover:
+    """Copies the fake runner's token "KV" between device and host; records carry a checksum."""
+
+    def __init__(self, runner: FakeRunner, num_host_blocks: int):
+        self.arrays = {"device": runner.kv, "host": np.full((max(num_host_blocks, 1), runner.block_size), -1,
+                                                           dtype=np.int64)}
+
+    def copy(self, src_tier, dst_tier, pairs):
+        for src, dst in pairs:
+            self.arrays[dst_tier][dst] = self.arrays[src_tier][src]
+
+    def encode(self, tier, block_id, block_hash, token_ids):
+        body = block_hash + self.arrays[tier][block_id].tobytes()
+        return body + xxhash.xxh3_64_digest(body)
+
+    def decode_into(self, tier, block_id, record, block_hash, token_ids):
+        body, checksum = record[:-8], record[-8:]
+        if xxhash.xxh3_64_digest(body) != checksum:
+            raise _BadRecord("checksum")
+        if body[:16] != block_hash:
+            raise _BadRecord("hash")
+        row = np.frombuffer(body[16:], dtype=np.int64)
+        if list(row) != list(token_ids):
+            raise _BadRecord("tokens")
+        self.arrays[tier][block_id] = row
+
+
+class _BadRecord(ValueError):
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class FakeStore:
+    """An in-memory store; tests corrupt records and inject faults through the executor."""
+
+    def __init__(self):
+        self.records: dict[bytes, bytes] = {}
+
+    def exists(self, keys):
+        return [k in self.records for k in keys]
+
+    def get(self, keys):
+        return [self.records.get(k) for k in keys]
+
+    def put(self, items):
+        self.records.update(items)
+
+    def delete(self, keys):
+        for k in keys:
+            self.records.pop(k, None)
+
+
+class ManualExecutor:
+    """Runs submitted store calls only when a test says so: in order, failed, or never (a hang)."""
+
+    def __init__(self):
+        self.jobs: list[tuple] = []
+
+    def submit(self, fn, *args):
+        future = Future()
+        self.jobs.append((fn, args, future))
+        return future
+
+    def run_next(self, fault: str | None = None, corrupt: bool = False) -> bool:
+        if not self.jobs:
+            return False
+        fn, args, future = self.jobs.pop(0)
+        if fault is not None:
+            future.set_exception(FakeStoreError(fault))
+            return True
+        result = fn(*args)
+        if corrupt and isinstance(result, list) and any(isinstance(r, bytes) for r in result):
+            at = next(i for i, r in enumerate(result) if isinstance(r, bytes))
+            flipped = bytearray(result[at])
+            flipped[len(flipped) // 2] ^= 0xFF
+            result[at] = bytes(flipped)
+        future.set_result(result)
+        return True
+
+    def run_all(self) -> None:
+        while self.run_next():
+            pass
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_tiered_scheduler(num_blocks=16, num_host_blocks=8, block_size=4, store=True, write_policy="write_back",
+                          max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64, **cache):
+    """A scheduler over device + host + store tiers with fakes, and the fakes to drive them."""
+    from kvstrata.config import CacheConfig, SchedulerConfig
+    cache_config = CacheConfig(block_size=block_size, num_device_blocks=num_blocks, num_host_blocks=num_host_blocks,
+                               store="disk" if store else "none", write_policy=write_policy, store_timeout=1.0,
+                               **cache)
+    cache_config.validate()
+    runner = FakeRunner(num_blocks, block_size)
+    executor, clock, fake_store = ManualExecutor(), FakeClock(), FakeStore() if store else None
+    tiers = TierManager(cache_config, num_blocks, num_host_blocks, store=fake_store,
+                        mover=FakeMover(runner, num_host_blocks), executor=executor, clock=clock, probe_wait=0)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                          max_model_len=max_model_len), tiers, eos_token_ids=[EOS])
+    return scheduler, runner, executor, clock, fake_store

@@ -127,7 +127,7 @@ def test_double_free_is_caught():
 
 def test_transfer_lifecycle():
     pool = BlockPool(4)
-    targets = pool.start_transfer(2)
+    targets, _ = pool.start_transfer(2)
     assert [b.state for b in targets] == [BlockState.IN_FLIGHT] * 2
     assert pool.counts().in_flight == 2
     pool.audit({}, in_flight=[0, 1])

@@ -98,8 +98,9 @@ TestSchedulerMachine.settings = settings(max_examples=EXAMPLES, stateful_step_co
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_scheduler_machine_long_run():
     from hypothesis.stateful import run_state_machine_as_test
     run_state_machine_as_test(SchedulerMachine, settings=settings(
-        max_examples=20 * EXAMPLES, stateful_step_count=60, deadline=None,
+        max_examples=10 * EXAMPLES, stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))

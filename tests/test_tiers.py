@@ -92,7 +92,7 @@ def test_exception_during_commit_rolls_back_everything(monkeypatch):
     before = tm.snapshot(with_order=False)
     counts = tm.audit()
 
-    def boom(plan, targets):
+    def boom(*args):
         raise OSError("injected fault after the blocks were allocated")
     monkeypatch.setattr(tm, "_admit_loads", boom)
     request = make_request("b", list(range(8)) + [70, 71, 72, 73, 74, 75, 76])
@@ -112,7 +112,7 @@ def test_rollback_restores_evicted_blocks(monkeypatch):
     compute(tm, first, 12)
     tm.release(first)                                  # all 3 cached, none free
     before = tm.snapshot(with_order=False)
-    monkeypatch.setattr(tm, "_admit_loads", lambda plan, targets: 1 / 0)
+    monkeypatch.setattr(tm, "_admit_loads", lambda *args: 1 / 0)
     plan = tm.plan(make_request("b", list(range(200, 209))), 100)   # needs 3 blocks: evicts all
     with pytest.raises(ZeroDivisionError):
         tm.commit(plan)

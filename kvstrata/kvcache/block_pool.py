@@ -201,17 +201,17 @@ class BlockPool:
         self.epoch += 1
         return True
 
-    def start_transfer(self, n: int) -> list[Block] | None:
-        """Take n free blocks as IN_FLIGHT copy targets (evicting as allocate does); None if short."""
+    def start_transfer(self, n: int) -> tuple[list[Block], list[EvictedBlock]] | None:
+        """Take n blocks as IN_FLIGHT copy targets (evicting as allocate does); None if short."""
         got = self.allocate(n)
         if got is None:
             return None
-        blocks, _ = got
+        blocks, evicted = got
         for block in blocks:
             block.state, block.ref_cnt = BlockState.IN_FLIGHT, 0
         self._num_used -= n
         self._num_in_flight += n
-        return blocks
+        return blocks, evicted
 
     def end_transfer(self, block: Block, outcome: BlockState,
                      block_hash: BlockHash | None = None, token_ids: Sequence[int] | None = None) -> bool:

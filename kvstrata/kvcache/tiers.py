@@ -1,14 +1,14 @@
-"""`TierManager`: every block a request takes, planned before anything is taken.
+"""`TierManager`: every block a request takes, on every tier, planned before anything is taken.
 
-Admission of a waiting request is two calls:
+Admission of a waiting request is two calls (after `prepare`, which starts a store lookup once):
 
-    plan(request, max_new_tokens)  pure: match the prefix tier by tier, count every block the
-                                   request will take, decide whether it fits -> AdmissionPlan | None
+    plan(request, max_new_tokens)  pure: match the prefix tier by tier (device, host, store), count
+                                   every block the request will take, decide -> AdmissionPlan | None
     commit(plan)                   take all of it, or (on any exception) none of it
 
 The rule (DESIGN.md §5), with every term counted before anything is taken:
 
-    touched_cached + load_host + load_store + new + reserve  <=  free + cached
+    touched_cached + load_host + load_store + new + reserve  <=  free + cached      (device blocks)
 
     touched_cached  device hits that are CACHED now: taking them removes them from the evictable side
     load_*          lower-tier hits, each needing a device block to load into
@@ -16,11 +16,14 @@ The rule (DESIGN.md §5), with every term counted before anything is taken:
     reserve         decode growth of the requests already holding blocks, plus this request's own
                     future beyond this chunk (see DecodeReservation)
 
-(Equivalently: loads + new + reserve <= free + cached blocks not hit by this plan.)
+A plan records the pool epoch it was computed at; `commit` refuses a stale plan. Running requests
+grow with `grow()`, all or nothing and with no reserve: when it fails, the scheduler preempts.
 
-A plan records the pool epoch it was computed at; `commit` refuses a plan whose epoch is stale,
-so nothing can slip in between the decision and the allocation. Running requests grow with
-`grow()`, which is all or nothing and keeps no reserve: when it fails, the scheduler preempts.
+Moving KV (DESIGN.md §3.9): a device block evicted while CACHED is copied to the host tier
+(write-back); a host block evicted is written to the store. With write-through, a block goes to
+host and store as soon as it is full. Host hits are copied to device inside the step; store hits
+load on an executor while the request waits in LOADING, and a load that fails, times out or finds
+a bad record turns its blocks into ordinary new blocks whose tokens are recomputed.
 
 Only this class calls the pools; the scheduler sees block ids and counts, never blocks.
 """
@@ -29,14 +32,22 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from kvstrata.config import CacheConfig
-from kvstrata.kvcache.block_pool import Block, BlockPool, BlockState, PoolCounts
+from kvstrata.kvcache.block_pool import Block, BlockPool, BlockState, EvictedBlock, PoolCounts
 from kvstrata.kvcache.hashing import BlockHash
+from kvstrata.kvcache.transfers import BlockMover, Executor, LoadTransfer
 from kvstrata.request import Request
 
 logger = logging.getLogger(__name__)
+
+MAX_PENDING_WRITES = 256        # store writes queued beyond this are dropped (the store is a cache)
+REMEMBERED_STORED = 65536       # hashes known to be in the store, so they are not written twice
 
 
 @dataclass
@@ -47,10 +58,10 @@ class AdmissionPlan:
     epoch: int
     hit_blocks: list[Block]            # device prefix hit, in order
     num_touched_cached: int            # hits that are CACHED now
-    load_host: list[Block]             # host blocks to load into fresh device blocks (tiers issue)
-    load_store: list[BlockHash]        # store records to load into fresh device blocks (tiers issue)
+    load_host: list[Block]             # host blocks to copy into fresh device blocks
+    load_store: list[BlockHash]        # store records to load into fresh device blocks
     num_new_blocks: int                # blocks for this chunk's uncached tokens
-    num_new_tokens: int                # tokens computed in this step
+    num_new_tokens: int                # tokens to compute once the loads have landed
     reserve: int                       # blocks kept back for decode growth
 
     @property
@@ -76,8 +87,8 @@ class DecodeReservation:
     """Blocks kept free at admission for running requests to grow into.
 
     A request's future KV is its pending tokens (the rest of its prompt, the token just sampled)
-    plus `ratio` times the tokens it may still sample (clipped). The ratio starts at `init`, decays by
-    `decay` per non-empty step to `floor`, and jumps back to `init` after a preemption: a
+    plus `ratio` times the tokens it may still sample (clipped). The ratio starts at `init`, decays
+    by `decay` per non-empty step to `floor`, and jumps back to `init` after a preemption: a
     preemption is the sign that the last admissions were too optimistic.
     """
 
@@ -113,11 +124,12 @@ class DecodeReservation:
 
 @dataclass
 class RequestBlocks:
-    """A request's device block table and how many of its blocks are in the hash index."""
+    """A request's device block table, how many of its blocks are indexed, and its pending load."""
 
     request: Request
     blocks: list[Block]
     num_registered: int = 0
+    load: LoadTransfer | None = None
 
 
 @dataclass
@@ -125,20 +137,53 @@ class CacheStats:
     """Counters since start, read by metrics and benchmarks."""
 
     prompt_tokens: int = 0
-    hit_tokens_device: int = 0
-    evicted_blocks_device: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "store": 0})
+    evicted_blocks: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+    offloaded_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "store": 0})
+    loaded_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "store": 0})
+    load_failures: dict[str, int] = field(default_factory=dict)      # by reason
+    store_errors: dict[str, int] = field(default_factory=dict)       # by kind
+    dropped_writes: int = 0
+    load_seconds: float = 0.0
+
+    def count(self, table: dict[str, int], key: str, n: int = 1) -> None:
+        table[key] = table.get(key, 0) + n
+
+
+@dataclass
+class _Probe:
+    """Which of a request's block hashes the store holds, once the lookup answers."""
+
+    future: Future
+    deadline: float
+    step: int                          # the step count when the lookup was sent, then when it answered
+    hits: list[bool] | None = None
 
 
 class TierManager:
-    """Owns the tiers' pools and every request's block table."""
+    """Owns the tiers' pools, every request's block table and every transfer record."""
 
-    def __init__(self, config: CacheConfig, num_device_blocks: int):
+    def __init__(self, config: CacheConfig, num_device_blocks: int, num_host_blocks: int = 0,
+                 store=None, mover: BlockMover | None = None, executor: Executor | None = None,
+                 clock: Callable[[], float] = time.monotonic, probe_wait: float = 0.005):
         self.config = config
         self.block_size = config.block_size
         self.device = BlockPool(num_device_blocks, "device")
+        self.host = BlockPool(num_host_blocks, "host") if num_host_blocks > 0 else None
+        self.store = store
+        assert (self.host is None and store is None) or mover is not None, "lower tiers need a BlockMover"
+        self.mover = mover
+        self.executor = executor or (ThreadPoolExecutor(4, thread_name_prefix="kvstrata-store") if store else None)
+        self.clock = clock
+        self.probe_wait = probe_wait
+        self._step = 0
         self.reservation = DecodeReservation.from_config(config)
         self.stats = CacheStats()
         self._tables: dict[str, RequestBlocks] = {}
+        self._probes: dict[str, _Probe] = {}
+        self._orphans: list[LoadTransfer] = []
+        self._writes: list[Future] = []
+        self._stored: OrderedDict[BlockHash, None] = OrderedDict()
 
     # ---- queries (pure) -------------------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
@@ -147,19 +192,32 @@ class TierManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables[request_id].blocks]
 
-    def match_device(self, request: Request) -> list[Block]:
-        """The longest run of the request's full blocks on device, leaving the last token to compute."""
-        if not self.config.enable_prefix_caching:
+    def is_loading(self, request_id: str) -> bool:
+        rb = self._tables.get(request_id)
+        return rb is not None and rb.load is not None
+
+    @property
+    def has_transfers(self) -> bool:
+        """Loads or writes still running (the engine keeps stepping until they settle)."""
+        return bool(self._orphans or self._writes or any(rb.load for rb in self._tables.values()))
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        """Full blocks a hit may cover: the last token is always computed, for its logits."""
+        return (request.num_tokens - 1) // self.block_size if self.config.enable_prefix_caching else 0
+
+    def _match(self, pool: BlockPool | None, request: Request, start: int, stop: int) -> list[Block]:
+        if pool is None:
             return []
-        size = self.block_size
-        hits = []
-        for index in range((request.num_tokens - 1) // size):
-            block = self.device.lookup(request.block_hashes[index],
-                                       request.token_ids[index * size:(index + 1) * size])
+        size, hits = self.block_size, []
+        for index in range(start, stop):
+            block = pool.lookup(request.block_hashes[index], request.token_ids[index * size:(index + 1) * size])
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def match_device(self, request: Request) -> list[Block]:
+        return self._match(self.device, request, 0, self._max_hit_blocks(request))
 
     def cached_prefix_tokens(self, request: Request) -> int:
         return len(self.match_device(request)) * self.block_size
@@ -170,15 +228,57 @@ class TierManager:
                                            len(rb.blocks) * self.block_size, self.block_size)
                    for rb in self._tables.values())
 
+    # ---- admission ------------------------------------------------------------------------------
+    def on_step(self, nonempty: bool) -> None:
+        self._step += 1
+        if nonempty:
+            self.reservation.on_step()
+
+    def prepare(self, request: Request) -> bool:
+        """Make sure plan() sees a fresh answer from the store about this request's blocks.
+
+        An answer older than one step is asked again (blocks reach the store all the time); the
+        lookup runs on the executor, waited for at most `probe_wait` seconds. False while it is out.
+        """
+        if self.store is None or not self.config.enable_prefix_caching:
+            return True
+        probe = self._probes.get(request.request_id)
+        if probe is None or (probe.hits is not None and probe.step < self._step - 1):
+            limit = self._max_hit_blocks(request)
+            local = len(self._match(self.device, request, 0, limit))
+            local += len(self._match(self.host, request, local, limit))
+            if local >= limit:
+                return True                               # nothing left for the store to supply
+            probe = _Probe(self.executor.submit(self.store.exists, request.block_hashes[:limit]),
+                           self.clock() + self.config.store_timeout, self._step)
+            self._probes[request.request_id] = probe
+            wait([probe.future], timeout=self.probe_wait)
+        if probe.hits is None:
+            if probe.future.done():
+                probe.step = self._step                   # the answer is as of now
+                try:
+                    probe.hits = list(probe.future.result())
+                except Exception as exc:                  # a failed lookup is no hit
+                    self._store_error(exc)
+                    probe.hits = []
+            elif self.clock() >= probe.deadline:
+                self.stats.count(self.stats.store_errors, "timeout")
+                probe.hits = []
+            else:
+                return False
+        return True
+
     def plan(self, request: Request, max_new_tokens: int, whole: bool = False) -> AdmissionPlan | None:
         """Plan admitting `request` with a chunk of at most `max_new_tokens`; None if it does not fit.
 
         With `whole`, the chunk must reach the end of the request (no chunked prefill). Pure.
         """
         assert request.request_id not in self._tables, f"{request.request_id} already holds blocks"
-        size = self.block_size
-        hits = self.match_device(request)
-        num_hit_tokens = len(hits) * size
+        size, limit = self.block_size, self._max_hit_blocks(request)
+        hits = self._match(self.device, request, 0, limit)
+        host = self._match(self.host, request, len(hits), limit)
+        store = self._store_hits(request, len(hits) + len(host), limit)
+        num_hit_tokens = (len(hits) + len(host) + len(store)) * size
         num_new_tokens = min(request.num_tokens - num_hit_tokens, max_new_tokens)
         if num_new_tokens <= 0 or (whole and num_hit_tokens + num_new_tokens < request.num_tokens):
             return None
@@ -187,48 +287,101 @@ class TierManager:
         plan = AdmissionPlan(
             request=request, epoch=self.device.epoch, hit_blocks=hits,
             num_touched_cached=sum(block.state is BlockState.CACHED for block in hits),
-            load_host=[], load_store=[], num_new_blocks=num_blocks - len(hits),
+            load_host=host, load_store=store,
+            num_new_blocks=num_blocks - len(hits) - len(host) - len(store),
             num_new_tokens=num_new_tokens, reserve=self.reserve_for_running() + own_future)
         return plan if self.fits(plan) else None
+
+    def _store_hits(self, request: Request, start: int, stop: int) -> list[BlockHash]:
+        probe = self._probes.get(request.request_id)
+        found = probe.hits if probe is not None and probe.hits else []
+        hashes = []
+        for index in range(start, min(stop, len(found))):
+            if not found[index]:
+                break
+            hashes.append(request.block_hashes[index])
+        return hashes
 
     def fits(self, plan: AdmissionPlan) -> bool:
         return plan.num_blocks_needed <= self.device.num_available
 
-    # ---- mutations ------------------------------------------------------------------------------
     def commit(self, plan: AdmissionPlan) -> None:
-        """Take every block of the plan as one transaction: on any exception, undo all and re-raise."""
+        """Take every block of the plan as one transaction: on any exception, undo all and re-raise.
+
+        Then, outside the transaction (their failures only cost recomputation): offload what the
+        allocation evicted, copy host hits to device, and start the store loads.
+        """
         request = plan.request
         if plan.epoch != self.device.epoch:
             raise RuntimeError(f"stale plan for {request.request_id}: the pool changed since it was made")
-        if not self.fits(plan):
-            raise RuntimeError(f"plan for {request.request_id} does not fit; plan() would have refused it")
-        undo = []
+        if not self.fits(plan) or plan.num_new_tokens < 1:
+            raise RuntimeError(f"plan for {request.request_id} does not fit or computes nothing; "
+                               "plan() would have refused it")
+        undo: list[Callable[[], None]] = []
         try:
             self.device.touch(plan.hit_blocks)
             undo.append(lambda: self.device.free(reversed(plan.hit_blocks)))
-            got = self.device.allocate(plan.num_new_blocks + plan.num_loads)
+            if plan.load_host:
+                self.host.touch(plan.load_host)       # pinned: the offload below must not evict them
+                undo.append(lambda: self.host.free(plan.load_host))
+            got = self.device.allocate(len(plan.load_host) + plan.num_new_blocks)
             assert got is not None, "allocation failed after fits() said yes"
             new_blocks, evicted = got
             undo.append(lambda: (self.device.free(reversed(new_blocks)), self.device.unevict(evicted)))
-            self._admit_loads(plan, new_blocks[:plan.num_loads])
-            self._tables[request.request_id] = RequestBlocks(request, plan.hit_blocks + new_blocks,
-                                                             num_registered=len(plan.hit_blocks))
+            flight = self.device.start_transfer(len(plan.load_store))
+            assert flight is not None, "load targets unavailable after fits() said yes"
+            targets, evicted_for_targets = flight
+            undo.append(lambda: ([self.device.end_transfer(block, BlockState.FREE) for block in targets],
+                                 self.device.unevict(evicted_for_targets)))
+            host_targets = new_blocks[:len(plan.load_host)]
+            table = plan.hit_blocks + host_targets + targets + new_blocks[len(plan.load_host):]
+            first_admission = request.num_cached_tokens < 0
+            load = self._admit_loads(plan, targets, first_admission)
+            self._tables[request.request_id] = RequestBlocks(request, table, len(plan.hit_blocks), load)
         except BaseException:
             for step in reversed(undo):
                 step()
             raise
-        self.stats.evicted_blocks_device += len(evicted)
-        num_hit = len(plan.hit_blocks) * self.block_size
-        request.num_computed_tokens = num_hit
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
+        self._probes.pop(request.request_id, None)
+        self._offload_evicted(evicted + evicted_for_targets)
+        self._copy_host_hits(plan, host_targets)
+        self._tables[request.request_id].num_registered += len(host_targets)
+        request.num_computed_tokens = (len(plan.hit_blocks) + len(plan.load_host)) * self.block_size
+        if first_admission:
             self.stats.prompt_tokens += request.num_prompt_tokens
-            self.stats.hit_tokens_device += request.num_cached_tokens
+            request.num_cached_tokens = 0
+            self._count_hits(request, "device", len(plan.hit_blocks) * self.block_size)
+            self._count_hits(request, "host", len(plan.load_host) * self.block_size)
 
-    def _admit_loads(self, plan: AdmissionPlan, targets: list[Block]) -> None:
-        """Start the lower-tier loads of a plan into `targets`. The device-only manager has none."""
-        assert not targets, "the device-only tier manager cannot load from lower tiers"
+    def _count_hits(self, request: Request, tier: str, num_tokens: int) -> None:
+        """Credit prompt tokens served by `tier` (at the request's first admission only)."""
+        num_tokens = min(num_tokens, request.num_prompt_tokens - request.num_cached_tokens)
+        request.num_cached_tokens += num_tokens
+        self.stats.count(self.stats.hit_tokens, tier, num_tokens)
 
+    def _admit_loads(self, plan: AdmissionPlan, targets: list[Block], first_admission: bool) -> LoadTransfer | None:
+        """Record the store load into `targets` and start it. Bookkeeping first: if this raises, the
+        caller rolls back and the executor's result is never looked at."""
+        if not targets:
+            return None
+        size, request = self.block_size, plan.request
+        first = len(plan.hit_blocks) + len(plan.load_host)
+        tokens = [tuple(request.token_ids[(first + i) * size:(first + i + 1) * size]) for i in range(len(targets))]
+        started = self.clock()
+        future = self.executor.submit(self.store.get, list(plan.load_store))
+        return LoadTransfer(request, targets, list(plan.load_store), tokens, future, started,
+                            started + self.config.store_timeout, first_admission)
+
+    def _copy_host_hits(self, plan: AdmissionPlan, targets: list[Block]) -> None:
+        if not targets:
+            return
+        self.mover.copy("host", "device", [(src.block_id, dst.block_id) for src, dst in zip(plan.load_host, targets)])
+        for src, dst in zip(plan.load_host, targets):
+            self.device.register(dst, src.block_hash, src.token_ids)
+        self.host.free(plan.load_host)                  # unpinned, and now most recently used
+        self.stats.count(self.stats.loaded_blocks, "host", len(targets))
+
+    # ---- growth and release ---------------------------------------------------------------------
     def grow(self, request: Request, num_new_tokens: int) -> bool:
         """Give a request holding blocks room for `num_new_tokens` more tokens. All or nothing."""
         rb = self._tables[request.request_id]
@@ -240,7 +393,7 @@ class TierManager:
             return False
         new_blocks, evicted = got
         rb.blocks.extend(new_blocks)
-        self.stats.evicted_blocks_device += len(evicted)
+        self._offload_evicted(evicted)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -252,29 +405,201 @@ class TierManager:
             return
         size = self.block_size
         for index in range(rb.num_registered, num_full):
-            self.device.register(rb.blocks[index], request.block_hashes[index],
-                                 request.token_ids[index * size:(index + 1) * size])
+            block = rb.blocks[index]
+            tokens = request.token_ids[index * size:(index + 1) * size]
+            if self.device.register(block, request.block_hashes[index], tokens) and \
+                    self.config.write_policy == "write_through":
+                self._write_through(block)
         rb.num_registered = max(rb.num_registered, num_full)
 
     def release(self, request: Request) -> None:
-        """Return every block the request holds, tail first. A no-op for a request holding none."""
+        """Return every block the request holds, tail first; a pending load is left to settle on its own."""
+        self._probes.pop(request.request_id, None)
         rb = self._tables.pop(request.request_id, None)
-        if rb is not None:
-            self.device.free(reversed(rb.blocks))
+        if rb is None:
+            return
+        in_flight = set()
+        if rb.load is not None:
+            rb.load.request = None
+            self._orphans.append(rb.load)
+            in_flight = {id(block) for block in rb.load.targets}
+        self.device.free(block for block in reversed(rb.blocks) if id(block) not in in_flight)
+
+    # ---- moving blocks down ---------------------------------------------------------------------
+    def _offload_evicted(self, evicted: Sequence[EvictedBlock]) -> None:
+        """Write-back: copy device blocks evicted from the cache to host (or straight to the store)."""
+        self.stats.count(self.stats.evicted_blocks, "device", len(evicted))
+        if not evicted:
+            return
+        if self.host is None:
+            for item in evicted:
+                self._write_to_store("device", item.block_id, item.block_hash, item.token_ids)
+            return
+        todo = [item for item in evicted if not self.host.contains(item.block_hash)]
+        todo = todo[:self.host.num_available]
+        if not todo:
+            return
+        slots, host_evicted = self.host.allocate(len(todo))
+        self._store_host_evictions(host_evicted)
+        self.mover.copy("device", "host", [(item.block_id, slot.block_id) for item, slot in zip(todo, slots)])
+        for item, slot in zip(todo, slots):
+            self.host.register(slot, item.block_hash, item.token_ids)
+        self.host.free(slots)
+        self.stats.count(self.stats.offloaded_blocks, "host", len(slots))
+
+    def _write_through(self, block: Block) -> None:
+        """Copy a block that just became full to host (and on to the store) while it stays on device."""
+        if self.host is None:
+            self._write_to_store("device", block.block_id, block.block_hash, block.token_ids)
+            return
+        if self.host.contains(block.block_hash):
+            return
+        got = self.host.allocate(1) if self.host.num_available else None
+        if got is None:
+            return
+        (slot,), host_evicted = got
+        self._store_host_evictions(host_evicted)
+        self.mover.copy("device", "host", [(block.block_id, slot.block_id)])
+        self.host.register(slot, block.block_hash, block.token_ids)
+        self.host.free([slot])
+        self.stats.count(self.stats.offloaded_blocks, "host", 1)
+        self._write_to_store("host", slot.block_id, block.block_hash, block.token_ids)
+
+    def _store_host_evictions(self, evicted: Sequence[EvictedBlock]) -> None:
+        """Host blocks about to be overwritten: their record goes to the store first (write-back)."""
+        self.stats.count(self.stats.evicted_blocks, "host", len(evicted))
+        if self.config.write_policy == "write_back":
+            for item in evicted:
+                self._write_to_store("host", item.block_id, item.block_hash, item.token_ids)
+
+    def _write_to_store(self, tier: str, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Snapshot the block's record now (its buffer may be reused next) and write it off the step loop."""
+        if self.store is None or block_hash in self._stored:
+            return
+        self._writes = [w for w in self._writes if not self._settle_write(w)]
+        if len(self._writes) >= MAX_PENDING_WRITES:
+            self.stats.dropped_writes += 1
+            return
+        record = self.mover.encode(tier, block_id, block_hash, token_ids)
+        self._writes.append(self.executor.submit(self.store.put, [(block_hash, record)]))
+        self._stored[block_hash] = None
+        if len(self._stored) > REMEMBERED_STORED:
+            self._stored.popitem(last=False)
+        self.stats.count(self.stats.offloaded_blocks, "store")
+
+    def _settle_write(self, write: Future) -> bool:
+        if not write.done():
+            return False
+        try:
+            write.result()
+        except Exception as exc:
+            self._store_error(exc)
+        return True
+
+    def _store_error(self, exc: Exception) -> None:
+        kind = getattr(exc, "kind", type(exc).__name__)
+        self.stats.count(self.stats.store_errors, kind)
+        logger.warning("store error (%s): %s", kind, exc)
+
+    # ---- settling loads -------------------------------------------------------------------------
+    def poll_loads(self) -> list[Request]:
+        """Settle every load that finished or timed out; return the requests ready to run."""
+        ready = []
+        for rb in list(self._tables.values()):
+            if rb.load is not None:
+                loaded = self._settle(rb.load)
+                if loaded is not None:
+                    rb.load = None
+                    rb.num_registered += loaded
+                    ready.append(rb.request)
+        self._orphans = [load for load in self._orphans if self._settle(load) is None]
+        self._writes = [w for w in self._writes if not self._settle_write(w)]
+        return ready
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        """Block until some transfer may have settled (the engine calls this when it has nothing else)."""
+        pending = [rb.load.future for rb in self._tables.values() if rb.load] + [t.future for t in self._orphans]
+        pending += self._writes
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def _settle(self, load: LoadTransfer) -> int | None:
+        """Apply a finished load (or give up on a late one); None while it is still running.
+
+        Returns how many leading blocks loaded: those are indexed, the rest become ordinary blocks
+        whose tokens the request recomputes. An orphaned load's loaded blocks go to the cache.
+        """
+        if load.future.done():
+            try:
+                records = load.future.result()
+            except Exception as exc:
+                self._store_error(exc)
+                records = [None] * len(load.targets)
+        elif self.clock() >= load.deadline:
+            self.stats.count(self.stats.load_failures, "timeout")
+            records = [None] * len(load.targets)
+        else:
+            return None
+        loaded = 0
+        for target, block_hash, tokens, record in zip(load.targets, load.hashes, load.token_ids, records):
+            if record is None:
+                self.stats.count(self.stats.load_failures, "missing")
+                break
+            try:
+                self.mover.decode_into("device", target.block_id, record, block_hash, tokens)
+            except Exception as exc:
+                reason = getattr(exc, "reason", "invalid")
+                self.stats.count(self.stats.load_failures, reason)
+                logger.warning("dropping a bad store record (%s): %s", reason, exc)
+                self._writes.append(self.executor.submit(self.store.delete, [block_hash]))
+                self._stored.pop(block_hash, None)
+                break
+            loaded += 1
+        for index, target in enumerate(load.targets):
+            ok = index < loaded
+            if load.orphaned:
+                self.device.end_transfer(target, BlockState.CACHED if ok else BlockState.FREE,
+                                         load.hashes[index], load.token_ids[index])
+            else:
+                self.device.end_transfer(target, BlockState.USED, load.hashes[index] if ok else None,
+                                         load.token_ids[index] if ok else None)
+        self.stats.count(self.stats.loaded_blocks, "store", loaded)
+        self.stats.load_seconds += self.clock() - load.started
+        if not load.orphaned:
+            load.request.num_computed_tokens += loaded * self.block_size
+            if load.first_admission:
+                self._count_hits(load.request, "store", loaded * self.block_size)
+        return loaded
 
     # ---- audit ----------------------------------------------------------------------------------
     def counts(self) -> dict[str, PoolCounts]:
-        return {"device": self.device.counts()}
+        counts = {"device": self.device.counts()}
+        if self.host is not None:
+            counts["host"] = self.host.counts()
+        return counts
 
     def audit(self) -> dict[str, PoolCounts]:
-        """Check every pool against the block tables; raise AuditError naming the bad blocks."""
+        """Check every pool against the block tables and transfer records; raise AuditError naming blocks."""
         holders: dict[int, int] = {}
+        in_flight: list[int] = []
         for rb in self._tables.values():
             assert not rb.request.is_finished, f"finished request {rb.request.request_id} still holds blocks"
+            loading = {id(b) for b in rb.load.targets} if rb.load else set()
+            assert rb.load is None or rb.load.request is rb.request, "a load record lost its request"
             for block in rb.blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        return {"device": self.device.audit(holders)}
+                if id(block) in loading:
+                    in_flight.append(block.block_id)
+                else:
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for load in self._orphans:
+            assert load.orphaned, "an orphaned load still names a request"
+            in_flight.extend(block.block_id for block in load.targets)
+        assert len(in_flight) == len(set(in_flight)), "a block is the target of two loads"
+        counts = {"device": self.device.audit(holders, in_flight)}
+        if self.host is not None:
+            counts["host"] = self.host.audit({})
+        return counts
 
     def snapshot(self, with_order: bool = True) -> tuple:
-        return (self.device.snapshot(with_order),
+        return (self.device.snapshot(with_order), self.host.snapshot(with_order) if self.host else None,
                 tuple(sorted((rid, tuple(self.block_ids(rid))) for rid in self._tables)))
