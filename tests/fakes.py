@@ -15,6 +15,7 @@ import numpy as np
 import xxhash
 
 from kvstrata.config import CacheConfig, SchedulerConfig
+from kvstrata.kvcache.block_pool import BlockState
 from kvstrata.kvcache.hashing import BlockHasher
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.request import Request, SamplingParams
@@ -205,7 +206,6 @@ class FakeClock:
 def make_tiered_scheduler(num_blocks=16, num_host_blocks=8, block_size=4, store=True, write_policy="write_back",
                           max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64, **cache):
     """A scheduler over device + host + store tiers with fakes, and the fakes to drive them."""
-    from kvstrata.config import CacheConfig, SchedulerConfig
     cache_config = CacheConfig(block_size=block_size, num_device_blocks=num_blocks, num_host_blocks=num_host_blocks,
                                store="disk" if store else "none", write_policy=write_policy, store_timeout=1.0,
                                **cache)
@@ -217,3 +217,29 @@ def make_tiered_scheduler(num_blocks=16, num_host_blocks=8, block_size=4, store=
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                           max_model_len=max_model_len), tiers, eos_token_ids=[EOS])
     return scheduler, runner, executor, clock, fake_store
+
+
+def unchecked_plan(tiers: TierManager, request, max_new_tokens: int = 4096):
+    """A plan as plan() computes it, before its fits() verdict (for building refused scenarios)."""
+    original = tiers.fits
+    tiers.fits = lambda plan: True
+    try:
+        return tiers.plan(request, max_new_tokens)
+    finally:
+        tiers.fits = original
+
+
+def drain(scheduler: Scheduler, runner: FakeRunner, executor: ManualExecutor | None = None,
+          max_steps: int = 2000) -> None:
+    """Step (letting every store call answer) until nothing is left; then nothing may be held."""
+    for _ in range(max_steps):
+        if not scheduler.has_work:
+            break
+        step(scheduler, runner)
+        if executor is not None:
+            executor.run_all()
+    assert not scheduler.has_work, "the scheduler stopped making progress"
+    tiers = scheduler.tiers
+    tiers.audit()
+    for pool in filter(None, (tiers.device, tiers.host)):
+        assert all(b.state in (BlockState.FREE, BlockState.CACHED) and b.ref_cnt == 0 for b in pool.blocks)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 
 import httpx
+import pytest
 import uvicorn
 
 from kvstrata.config import EngineConfig
@@ -48,6 +52,25 @@ def running_server(loaded, api_key: str | None = None, max_queue: int = 256, **o
         server.should_exit = True
         thread.join(timeout=10)
         async_engine.shutdown()
+
+
+def start_server_process(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`kvstrata serve` in a child process on a free port, once /health answers: (process, base url)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata", "serve", "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    pytest.fail("server did not start")
 
 
 def scrape(base: str) -> dict[str, float]:

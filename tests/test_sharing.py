@@ -1,38 +1,20 @@
 """Two `kvstrata serve` processes share one store; a Redis that dies mid-run costs recomputation only."""
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
-import pytest
-from server_helpers import free_port
+from server_helpers import start_server_process
 from store_helpers import redis_server  # noqa: F401  (fixture)
 
 PROMPT = "Shared context: " + "the quick brown fox jumps over the lazy dog. " * 12 + "Now answer:"
 
 
-def start(store: str, path: str | None = None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    args = [sys.executable, "-m", "kvstrata", "serve", "--port", str(port), "--kv-cache-memory", "64MiB",
-            "--store", store, "--write-policy", "write_through", "--host-cache-memory", "16MiB"]
-    if path:
-        args += ["--store-path", path]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    pytest.fail("server did not start")
+def start(store: str, path: str | None = None):
+    flags = ["--kv-cache-memory", "64MiB", "--store", store, "--write-policy", "write_through",
+             "--host-cache-memory", "16MiB"]
+    return start_server_process(*flags, *(["--store-path", path] if path else []))
 
 
 def complete(base: str) -> dict:

@@ -2,34 +2,11 @@
 abort the rest, exit 0."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
-from server_helpers import free_port
-
-
-def start_server(shutdown_timeout: float):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstrata", "serve", "--port", str(port), "--kv-cache-memory", "64MiB",
-         "--shutdown-timeout", str(shutdown_timeout)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    pytest.fail("server did not start")
+from server_helpers import start_server_process
 
 
 def stream_then_signal(proc, base, max_tokens):
@@ -51,7 +28,7 @@ def stream_then_signal(proc, base, max_tokens):
 @pytest.mark.parametrize("timeout, max_tokens, finished", [(60, 24, True), (0.5, 1000, False)],
                          ids=["drains", "cuts-at-timeout"])
 def test_sigterm_is_graceful(timeout, max_tokens, finished):
-    proc, base = start_server(timeout)
+    proc, base = start_server_process("--kv-cache-memory", "64MiB", "--shutdown-timeout", str(timeout))
     try:
         try:
             finish, events = stream_then_signal(proc, base, max_tokens)

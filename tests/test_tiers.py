@@ -3,7 +3,7 @@
 import dataclasses
 
 import pytest
-from fakes import make_request
+from fakes import make_request, unchecked_plan
 
 from kvstrata.config import CacheConfig
 from kvstrata.kvcache.hashing import hash_block
@@ -135,7 +135,7 @@ def test_seed_scenario_lower_tier_hits_plus_reservation_is_refused():
     device_plan = tm.plan(request, 4096)
     assert device_plan is None                        # device-only: 64 new + 64 reserve > 100
     # Express the 40 lower-tier hits in the plan, as the tiers issue's matching will.
-    plan = dataclasses.replace(_unchecked_plan(tm, request),
+    plan = dataclasses.replace(unchecked_plan(tm, request),
                                load_store=request.block_hashes[:40], num_new_blocks=24)
     assert plan.num_blocks_taken == 64 and plan.reserve == 64
     assert plan.num_blocks_taken <= tm.device.num_free     # what the weak check looked at
@@ -145,16 +145,6 @@ def test_seed_scenario_lower_tier_hits_plus_reservation_is_refused():
         tm.commit(plan)
     assert tm.snapshot() == before
     tm.audit()
-
-
-def _unchecked_plan(tm, request):
-    """A plan as plan() computes it, before the fits() verdict (for building refused scenarios)."""
-    original = tm.fits
-    tm.fits = lambda plan: True
-    try:
-        return tm.plan(request, 4096)
-    finally:
-        tm.fits = original
 
 
 def test_reservation_decays_per_step_and_resets_on_preemption():

@@ -7,7 +7,7 @@ token: a block loaded from host or store with the wrong content fails the step.
 import dataclasses
 
 import pytest
-from fakes import make_request, make_scheduler, make_tiered_scheduler, run_all, step
+from fakes import make_request, make_scheduler, make_tiered_scheduler, run_all, step, unchecked_plan
 
 from kvstrata.kvcache.block_pool import BlockState
 from kvstrata.request import RequestStatus
@@ -33,6 +33,23 @@ def evict_everything(scheduler, runner, executor, tag):
     """Push all cached device blocks out with unrelated prompts."""
     fillers = [make_request(f"{tag}{i}", [40 + i] * 15, max_tokens=1) for i in range(4)]
     drive(scheduler, runner, executor, fillers)
+
+
+def loading_again():
+    """PREFIX served, evicted to the store, then asked for again: the new request is LOADING.
+
+    Returns (scheduler, runner, executor, clock, store, request).
+    """
+    scheduler, runner, executor, clock, store = make_tiered_scheduler(num_blocks=8, num_host_blocks=0)
+    drive(scheduler, runner, executor, [make_request("a", PREFIX + [99], max_tokens=2)])
+    evict_everything(scheduler, runner, executor, "fill")
+    assert store.records
+    again = make_request("b", PREFIX + [98], max_tokens=5)
+    scheduler.add_request(again)
+    executor.run_all()                                    # the lookup finds the records
+    step(scheduler, runner)
+    assert again.status is RequestStatus.LOADING
+    return scheduler, runner, executor, clock, store, again
 
 
 def reference_outputs(prompts):
@@ -73,15 +90,7 @@ def test_host_eviction_writes_to_store_and_store_hits_load_while_others_run():
 
 @pytest.mark.parametrize("fault, corrupt, reason", [("io", False, None), (None, True, "checksum")])
 def test_failed_or_corrupt_loads_fall_back_to_recompute(fault, corrupt, reason):
-    scheduler, runner, executor, _, store = make_tiered_scheduler(num_blocks=8, num_host_blocks=0)
-    drive(scheduler, runner, executor, [make_request("a", PREFIX + [99], max_tokens=2)])
-    evict_everything(scheduler, runner, executor, "fill")
-    assert store.records
-    again = make_request("b", PREFIX + [98], max_tokens=5)
-    scheduler.add_request(again)
-    executor.run_all()                                    # the probe finds the records
-    step(scheduler, runner)
-    assert again.status is RequestStatus.LOADING
+    scheduler, runner, executor, _, _, again = loading_again()
     executor.run_next(fault=fault, corrupt=corrupt)       # the load itself fails or returns a bad record
     drive(scheduler, runner, executor, [])
     assert again.output_token_ids == list(reference_outputs([PREFIX + [98]]).values())[0]
@@ -95,14 +104,7 @@ def test_failed_or_corrupt_loads_fall_back_to_recompute(fault, corrupt, reason):
 
 
 def test_load_past_its_deadline_counts_as_a_miss():
-    scheduler, runner, executor, clock, _ = make_tiered_scheduler(num_blocks=8, num_host_blocks=0)
-    drive(scheduler, runner, executor, [make_request("a", PREFIX + [99], max_tokens=2)])
-    evict_everything(scheduler, runner, executor, "fill")
-    again = make_request("b", PREFIX + [98], max_tokens=5)
-    scheduler.add_request(again)
-    executor.run_all()
-    step(scheduler, runner)
-    assert again.status is RequestStatus.LOADING
+    scheduler, runner, executor, clock, _, again = loading_again()
     clock.now += 5.0                                      # the store hangs past store_timeout
     for _ in range(50):
         if again.is_finished:
@@ -116,14 +118,7 @@ def test_load_past_its_deadline_counts_as_a_miss():
 
 @pytest.mark.parametrize("exit_path", ["abort", "preempt"])
 def test_abort_or_preempt_during_a_load_leaves_the_blocks_to_the_transfer(exit_path):
-    scheduler, runner, executor, _, _ = make_tiered_scheduler(num_blocks=8, num_host_blocks=0)
-    drive(scheduler, runner, executor, [make_request("a", PREFIX + [99], max_tokens=2)])
-    evict_everything(scheduler, runner, executor, "fill")
-    again = make_request("b", PREFIX + [98], max_tokens=5)
-    scheduler.add_request(again)
-    executor.run_all()
-    step(scheduler, runner)
-    assert again.status is RequestStatus.LOADING
+    scheduler, runner, executor, _, _, again = loading_again()
     in_flight = scheduler.tiers.audit()["device"].in_flight
     if exit_path == "abort":
         scheduler.finish("b")
@@ -169,21 +164,12 @@ def test_seed_scenario_with_real_store_hits_is_refused_and_changes_nothing():
     executor.run_all()
     assert tiers.prepare(seed)
     before = tiers.snapshot()
-    plan = dataclasses.replace(tiers.plan(seed, 4096) or _unchecked_plan(tiers, seed))
+    plan = unchecked_plan(tiers, seed)
     assert len(plan.load_store) == 40 and plan.num_new_blocks == 24 and plan.reserve == 64
     assert not tiers.fits(plan) and tiers.plan(seed, 4096) is None
     with pytest.raises(RuntimeError, match="does not fit"):
         tiers.commit(plan)
     assert tiers.snapshot() == before and not executor.jobs   # no load was even started
-
-
-def _unchecked_plan(tiers, request):
-    original = tiers.fits
-    tiers.fits = lambda plan: True
-    try:
-        return tiers.plan(request, 4096)
-    finally:
-        tiers.fits = original
 
 
 def test_a_plan_with_zero_new_tokens_is_refused_whole():
@@ -228,12 +214,7 @@ def test_exception_after_load_targets_are_allocated_rolls_back_whole(monkeypatch
 
 
 def test_in_flight_blocks_are_never_handed_to_the_runner_as_computed():
-    scheduler, runner, executor, _, _ = make_tiered_scheduler(num_blocks=8, num_host_blocks=0)
-    drive(scheduler, runner, executor, [make_request("a", PREFIX + [99], max_tokens=2)])
-    evict_everything(scheduler, runner, executor, "fill")
-    again = make_request("b", PREFIX + [98], max_tokens=5)
-    scheduler.add_request(again)
-    executor.run_all()
+    scheduler, runner, executor, _, _, again = loading_again()
     output = scheduler.schedule()
     assert all(chunk.request is not again for chunk in output.chunks)
     assert any(b.state is BlockState.IN_FLIGHT for b in scheduler.tiers.device.blocks)

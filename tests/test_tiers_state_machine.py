@@ -8,12 +8,11 @@ right token (so a bad load can never be served). Teardown: no USED or IN_FLIGHT 
 
 import os
 
-from fakes import make_request, make_tiered_scheduler, step
+from fakes import drain, make_request, make_tiered_scheduler, step
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstrata.kvcache.block_pool import BlockState
 
 EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "600"))
 # More distinct prefixes than the device holds, so blocks cycle through host and store.
@@ -74,18 +73,8 @@ class TieredMachine(RuleBasedStateMachine):
             self.scheduler.audit()
 
     def teardown(self):
-        if not hasattr(self, "scheduler"):
-            return
-        for _ in range(2000):
-            if not self.scheduler.has_work:
-                break
-            step(self.scheduler, self.runner)
-            self.executor.run_all()
-        assert not self.scheduler.has_work, "the scheduler stopped making progress"
-        tiers = self.scheduler.tiers
-        tiers.audit()
-        for pool in filter(None, (tiers.device, tiers.host)):
-            assert all(b.state in (BlockState.FREE, BlockState.CACHED) and b.ref_cnt == 0 for b in pool.blocks)
+        if hasattr(self, "scheduler"):
+            drain(self.scheduler, self.runner, self.executor)
 
 
 TestTieredMachine = TieredMachine.TestCase
