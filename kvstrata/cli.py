@@ -17,6 +17,7 @@ import typing
 from collections.abc import Callable
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, parse_size
+from kvstrata.sim_cli import add_calibrate, add_simulate
 
 ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
 
@@ -131,7 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 # ---- entry --------------------------------------------------------------------------------------
-COMMANDS = [add_generate, add_serve]
+COMMANDS = [add_generate, add_serve, add_simulate, add_calibrate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,245 @@
+"""Step time and transfer time: what the simulator charges for a batch and for moving KV.
+
+    step_seconds = overhead_s + max(compute . x, memory . x)
+    x = (1, prefill_tokens, decode_seqs, kv_tokens_read, attention_pairs)        (BatchShape)
+
+Two sources of coefficients, and every profile says which in `source`:
+- *calibrated*: a non-negative least-squares fit of the real engine's step times over a grid of
+  batch shapes on this machine (`kvstrata calibrate`); all terms in `compute`, `memory` empty.
+- *roofline*: derived from a hardware description (peak FLOP/s, memory bandwidth, links) and the
+  model's size, for machines we cannot run. Compute: 2 FLOPs per parameter per token plus attention
+  FLOPs per query-key pair, at `flops_efficiency` of peak; memory: the weights once per step plus
+  the KV of every context read, at `bandwidth_efficiency` of peak; a step costs the slower of the two.
+
+Moving KV costs `latency + bytes / bandwidth` on a `Link`: device <-> host copies on `host_link`,
+store I/O on `store_link`; a block's bytes come from `kv_bytes_per_token`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+FEATURES = ("step", "prefill_tokens", "decode_seqs", "kv_tokens_read", "attention_pairs")
+
+
+class BatchShape(NamedTuple):
+    """What a step computes. A chunk of one token is a decode (the runner batches it as one)."""
+
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    kv_tokens_read: int = 0       # KV tokens attention reads: each prefill chunk's context, and every
+                                  # decode at the longest decode context (the runner pads decodes to one length)
+    attention_pairs: int = 0      # query-key pairs of the prefill chunks: n * start + n * (n + 1) / 2
+
+    @classmethod
+    def of(cls, chunks: Iterable) -> BatchShape:
+        """The shape of a step's `ScheduledChunk`s."""
+        prefill = decodes = kv = pairs = longest = 0
+        for chunk in chunks:
+            n, start = len(chunk.token_ids), chunk.start
+            if n == 1:
+                decodes += 1
+                longest = max(longest, start + 1)
+            else:
+                prefill += n
+                kv += start + n
+                pairs += n * start + n * (n + 1) // 2
+        return cls(prefill, decodes, kv + decodes * longest, pairs)
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, *self)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A path KV travels: a fixed latency per operation, then bytes at a bandwidth."""
+
+    latency_s: float
+    bandwidth: float              # bytes per second
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class CostModel:
+    source: str                                  # how the numbers were obtained, for every report
+    kv_bytes_per_token: int
+    host_link: Link
+    store_link: Link
+    compute: tuple[float, ...]                   # seconds per unit of each of FEATURES
+    memory: tuple[float, ...] = (0.0,) * len(FEATURES)
+    overhead_s: float = 0.0
+    device_cache_tokens: int | None = None       # what the device holds beside the weights, when known
+
+    def __post_init__(self) -> None:
+        if len(self.compute) != len(FEATURES) or len(self.memory) != len(FEATURES):
+            raise ValueError(f"a cost model has one coefficient per feature: {', '.join(FEATURES)}")
+        if min(self.compute + self.memory) < 0:
+            raise ValueError("cost model coefficients must not be negative")
+
+    def step_seconds(self, shape: BatchShape) -> float:
+        """Unrolled: the simulator asks once per step, millions of times per trace."""
+        c0, c1, c2, c3, c4 = self.compute
+        m0, m1, m2, m3, m4 = self.memory
+        p, d, kv, pairs = shape
+        return self.overhead_s + max(c0 + c1 * p + c2 * d + c3 * kv + c4 * pairs,
+                                     m0 + m1 * p + m2 * d + m3 * kv + m4 * pairs)
+
+    def block_bytes(self, block_size: int) -> int:
+        return self.kv_bytes_per_token * block_size
+
+    # ---- files ----------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["compute"] = dict(zip(FEATURES, self.compute))
+        data["memory"] = dict(zip(FEATURES, self.memory))
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostModel:
+        unknown = set(data.get("compute", {})) | set(data.get("memory", {}))
+        if unknown - set(FEATURES):
+            raise ValueError(f"unknown cost model features: {', '.join(sorted(unknown - set(FEATURES)))}")
+        return cls(source=data["source"], kv_bytes_per_token=int(data["kv_bytes_per_token"]),
+                   host_link=Link(**data["host_link"]), store_link=Link(**data["store_link"]),
+                   compute=tuple(float(data["compute"].get(f, 0.0)) for f in FEATURES),
+                   memory=tuple(float(data.get("memory", {}).get(f, 0.0)) for f in FEATURES),
+                   overhead_s=float(data.get("overhead_s", 0.0)),
+                   device_cache_tokens=data.get("device_cache_tokens"))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read a cost profile from {path}: {exc!r}") from exc
+
+
+# ---- calibration: fitting measured steps --------------------------------------------------------
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: drop the most negative term and refit until none is.
+
+    Enough for a handful of physically non-negative terms (a full NNLS solver is not worth a dependency).
+    """
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        fit = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        if fit.min() >= 0:
+            coef[active] = fit
+            break
+        del active[int(np.argmin(fit))]
+    return coef
+
+
+def fit(shapes: Sequence[BatchShape], seconds: Sequence[float], **profile) -> CostModel:
+    """Fit `compute` to measured step times, minimizing relative error (steps span 1 ms to seconds)."""
+    if len(shapes) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} measured steps to fit a cost model")
+    x = np.array([s.features() for s in shapes], dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = nonnegative_lstsq(x / scale / y[:, None], np.ones_like(y)) / scale
+    return CostModel(compute=tuple(float(c) for c in coef), **profile)
+
+
+def relative_errors(model: CostModel, shapes: Sequence[BatchShape], seconds: Sequence[float]) -> np.ndarray:
+    predicted = np.array([model.step_seconds(s) for s in shapes])
+    return predicted / np.asarray(seconds) - 1.0
+
+
+# ---- roofline: hardware we cannot run -----------------------------------------------------------
+@dataclass(frozen=True)
+class Hardware:
+    description: str
+    peak_flops: float                # dense 16-bit FLOP/s (fp32 for the CPU)
+    memory_bandwidth: float          # bytes per second
+    memory_bytes: int
+    host_link: Link                  # device <-> host memory
+    store_link: Link                 # engine -> store
+    flops_efficiency: float = 0.5    # the share of peak a serving engine reaches on large GEMMs
+    bandwidth_efficiency: float = 0.8
+    step_overhead_s: float = 0.002   # scheduling, launches and sampling per step
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    description: str
+    params: float
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+    @property
+    def attention_flops_per_pair(self) -> float:
+        """Q.K and P.V for one query-key pair, every head of every layer."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware("NVIDIA H100 SXM 80GB: 989 TFLOP/s bf16, 3.35 TB/s HBM3, PCIe 5 x16 to host, "
+                     "200 Gb/s to the store", 989e12, 3.35e12, 80 * 10**9,
+                     host_link=Link(10e-6, 50e9), store_link=Link(100e-6, 25e9)),
+    "a100": Hardware("NVIDIA A100 SXM 80GB: 312 TFLOP/s bf16, 2.04 TB/s HBM2e, PCIe 4 x16 to host, "
+                     "100 Gb/s to the store", 312e12, 2.039e12, 80 * 10**9,
+                     host_link=Link(10e-6, 25e9), store_link=Link(100e-6, 12.5e9)),
+    "l4": Hardware("NVIDIA L4 24GB: 121 TFLOP/s bf16, 300 GB/s GDDR6, PCIe 4 x16 to host, 25 Gb/s to the store",
+                   121e12, 300e9, 24 * 10**9, host_link=Link(10e-6, 25e9), store_link=Link(200e-6, 3.1e9)),
+    "cpu-2core": Hardware("2 x86 cores with AVX2 (~100 GFLOP/s fp32), ~20 GB/s DRAM; host tier is a memcpy, "
+                          "the store a local SSD", 100e9, 20e9, 16 * 10**9,
+                          host_link=Link(2e-6, 10e9), store_link=Link(100e-6, 1e9),
+                          flops_efficiency=0.3, bandwidth_efficiency=0.5, step_overhead_s=0.001),
+}
+
+MODELS: dict[str, ModelSpec] = {
+    "llama3-8b": ModelSpec("Llama-3-8B (GQA 32/8 heads, 32 layers), bf16", 8.03e9, 32, 32, 8, 128),
+    "smollm2-135m": ModelSpec("SmolLM2-135M (GQA 9/3 heads, 30 layers), bf16", 134.5e6, 30, 9, 3, 64),
+}
+
+
+def roofline(hardware: str, model: str) -> CostModel:
+    """A profile from first principles, for hardware this machine is not."""
+    if hardware not in HARDWARE:
+        raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(HARDWARE)}")
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+    hw, spec = HARDWARE[hardware], MODELS[model]
+    flops = hw.peak_flops * hw.flops_efficiency
+    bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
+    per_token = 2 * spec.params / flops
+    compute = (0.0, per_token, per_token, 0.0, spec.attention_flops_per_pair / flops)
+    memory = (spec.weight_bytes / bandwidth, 0.0, 0.0, spec.kv_bytes_per_token / bandwidth, 0.0)
+    kv_memory = hw.memory_bytes * 0.9 - spec.weight_bytes
+    if kv_memory <= 0:
+        raise ValueError(f"{model} does not fit in the memory of {hardware}")
+    return CostModel(
+        source=(f"roofline: {hardware} ({hw.description}; {hw.flops_efficiency:.0%} of peak FLOP/s, "
+                f"{hw.bandwidth_efficiency:.0%} of peak bandwidth) x {model} ({spec.description})"),
+        kv_bytes_per_token=spec.kv_bytes_per_token, host_link=hw.host_link, store_link=hw.store_link,
+        compute=compute, memory=memory, overhead_s=hw.step_overhead_s,
+        device_cache_tokens=int(kv_memory // spec.kv_bytes_per_token))

@@ -1,0 +1,248 @@
+"""`kvstrata simulate` and `kvstrata calibrate`: the simulator's command line, sweeps and plots.
+
+    kvstrata simulate --trace T --output-json out.json                       one engine, H100 roofline
+    kvstrata simulate --trace T --instances 16 --router kv_aware --host-cache-tokens 8M \\
+                      --store-cache-tokens inf --output-json fleet.json
+    kvstrata simulate --trace T --sweep host_cache_tokens=0,1M,4M,inf --plot docs/ --output-json sweep.json
+    kvstrata calibrate --output bench/profiles/cpu-2core-smollm2.json        fit a profile on this machine
+    kvstrata simulate --validate --trace T --profile bench/profiles/cpu-2core-smollm2.json
+
+Only this module and `cli.py` print; the simulator itself returns figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from kvstrata.config import POLICIES, WRITE_POLICIES, parse_size
+from kvstrata.cost_model import HARDWARE, MODELS, CostModel, roofline
+from kvstrata.routers import ROUTERS
+from kvstrata.simulator import SimConfig, SimResult, Simulator
+from kvstrata.traces import read_mooncake
+
+CAPACITIES = ("device_cache_tokens", "host_cache_tokens", "store_cache_tokens")
+DEFAULT_PROFILE = Path("bench/profiles/cpu-2core-smollm2.json")
+FROM_PROFILE = -1       # --device-cache-tokens default: what the profile's hardware holds
+
+
+def tokens(text: str) -> int | None:
+    """'inf' -> None (unbounded); '8M' -> 8000000; '65536' -> 65536."""
+    return None if text.strip().lower() in ("inf", "unbounded") else parse_size(text)
+
+
+# ---- simulate -----------------------------------------------------------------------------------
+def add_simulate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("simulate", help="replay a trace through the real scheduler and tiers "
+                                                  "on a virtual clock")
+    trace = parser.add_argument_group("trace")
+    trace.add_argument("--trace", required=True, help="Mooncake-format jsonl (timestamp, input_length, "
+                                                      "output_length, hash_ids)")
+    trace.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    trace.add_argument("--skip", type=int, default=0, help="start after the first N requests")
+    trace.add_argument("--time-scale", type=float, default=None,
+                       help="multiply arrival times (2: half the rate; default 1, or fitted to the engine "
+                            "with --validate)")
+    trace.add_argument("--max-input-tokens", type=int, default=None, help="cut longer prompts (keeps their prefix)")
+    trace.add_argument("--max-output-tokens", type=int, default=None, help="cut longer outputs")
+    engine = parser.add_argument_group("engines")
+    engine.add_argument("--block-size", type=int, default=None,
+                        help="engine block size, a power of two dividing 512 (default 512; 16 with --validate)")
+    engine.add_argument("--device-cache-tokens", type=tokens, default=FROM_PROFILE,
+                        help="device KV tokens per engine, or inf (default: what the hardware holds "
+                             "beside the weights, from the profile)")
+    engine.add_argument("--host-cache-tokens", type=tokens, default=0, help="host KV tokens per engine, "
+                                                                          "inf, or 0 (none)")
+    engine.add_argument("--store-cache-tokens", type=tokens, default=0, help="store KV tokens shared by all "
+                                                                           "engines, inf, or 0 (none)")
+    engine.add_argument("--instances", type=int, default=1, help="engines in the fleet")
+    engine.add_argument("--router", default="round_robin", choices=list(ROUTERS))
+    engine.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"requests running at once per engine (default {SimConfig.max_num_seqs})")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help=f"token budget of a step (default {SimConfig.max_num_batched_tokens})")
+    engine.add_argument("--policy", default="fcfs", choices=POLICIES)
+    engine.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
+    engine.add_argument("--store-timeout", type=float, default=SimConfig.store_timeout)
+    cost = parser.add_argument_group("cost model").add_mutually_exclusive_group()
+    cost.add_argument("--profile", type=Path, default=None, help="a JSON profile from `kvstrata calibrate`")
+    cost.add_argument("--hardware", choices=list(HARDWARE), default=None,
+                      help="a roofline profile of this hardware (default: h100)")
+    parser.add_argument("--model", choices=list(MODELS), default="llama3-8b", help="model size for --hardware")
+    out = parser.add_argument_group("output")
+    out.add_argument("--audit", action="store_true", help="audit every engine after every simulated step")
+    out.add_argument("--output-json", type=Path, default=None, help="write the figures here (required "
+                                                                    "unless --validate)")
+    out.add_argument("--plot", type=Path, default=None, help="write PNG plots into this folder")
+    out.add_argument("--sweep", default=None, metavar="PARAM=A,B,C",
+                     help=f"run once per value of one capacity ({', '.join(CAPACITIES)})")
+    out.add_argument("--validate", action="store_true",
+                     help="replay a slice on the real engine and in the simulator; print relative errors")
+    out.add_argument("--threads", type=int, default=1, help="torch CPU threads of the real engine (--validate)")
+    out.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                     help="--validate: time the engine by its thread's CPU time (default: steady on a shared "
+                          "machine) or by wall time; calibrate the profile with the same clock")
+    parser.set_defaults(run=run_simulate)
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    if args.profile is not None:
+        return CostModel.load(args.profile)
+    return roofline(args.hardware or "h100", args.model)
+
+
+def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
+    device = args.device_cache_tokens
+    if device == FROM_PROFILE:
+        if cost.device_cache_tokens is None:
+            raise ValueError("this profile does not say how much KV the device holds; pass --device-cache-tokens")
+        device = cost.device_cache_tokens
+    defaults = SimConfig()
+    return SimConfig(block_size=args.block_size or defaults.block_size, device_cache_tokens=device,
+                     host_cache_tokens=args.host_cache_tokens, store_cache_tokens=args.store_cache_tokens,
+                     instances=args.instances, router=args.router,
+                     max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
+                     policy=args.policy, write_policy=args.write_policy, store_timeout=args.store_timeout,
+                     audit=args.audit).validate()
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    if args.validate:
+        return run_validation(args)
+    if args.output_json is None:
+        raise ValueError("--output-json is required")
+    trace = read_mooncake(args.trace, args.max_requests, args.skip, args.time_scale or 1.0, args.max_input_tokens,
+                          args.max_output_tokens)
+    cost = cost_model(args)
+    base = sim_config(args, cost)
+    if args.sweep is None:
+        result = simulate(trace, base, cost)
+        report = result.to_json()
+        results = [(None, result)]
+    else:
+        name, values = parse_sweep(args.sweep)
+        results = [(value, simulate(trace, dataclasses.replace(base, **{name: value}), cost, f"{name}={value}"))
+                   for value in values]
+        report = {"sweep": {"parameter": name, "values": values}, "ideal_hit_rate": results[0][1].ideal_hit_rate,
+                  "profile": cost.source, "runs": [r.to_json() for _, r in results]}
+    args.output_json.parent.mkdir(parents=True, exist_ok=True)
+    args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    labels = [""] if args.sweep is None else [f"{name}={'inf' if v is None else f'{v:,}'}" for v, _ in results]
+    for label, (_, result) in zip(labels, results):
+        print(headline(result.to_json(), f"{label}: " if label else ""))
+    if args.plot is not None:
+        from kvstrata.sim_plots import plot_hit_rate, plot_ttft_cdf
+        paths = [plot_ttft_cdf([r for _, r in results], labels, args.plot / "ttft_cdf.png")]
+        if args.sweep is not None:
+            paths.append(plot_hit_rate(report["runs"], name, values, args.plot / f"hit_rate_vs_{name}.png"))
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def run_validation(args: argparse.Namespace) -> int:
+    """`--validate`: a slice cut to the default model's context, on the real engine and in the simulator."""
+    from kvstrata.calibrate import (BLOCK_SIZE, MAX_CHUNK, VALIDATION_DEVICE_TOKENS, VALIDATION_INPUT_TOKENS,
+                                    VALIDATION_REQUESTS, validate)
+
+    cost = CostModel.load(args.profile or DEFAULT_PROFILE)
+    device = args.device_cache_tokens
+    config = SimConfig(block_size=args.block_size or BLOCK_SIZE,
+                       device_cache_tokens=VALIDATION_DEVICE_TOKENS if device in (None, FROM_PROFILE) else device,
+                       max_num_seqs=args.max_num_seqs or 32,
+                       max_num_batched_tokens=args.max_num_batched_tokens or MAX_CHUNK, policy=args.policy).validate()
+    trace = read_mooncake(args.trace, args.max_requests or VALIDATION_REQUESTS, args.skip, 1.0,
+                          args.max_input_tokens or VALIDATION_INPUT_TOKENS, args.max_output_tokens or 16)
+    print(f"validating on {len(trace)} requests with {cost.source}")
+    report = validate(trace, config, cost, args.time_scale, args.threads, args.clock)
+    steps = report["step_seconds"]
+    print(f"time scale {report['time_scale']:.3g}: the engine ran {steps['steps']} steps in {steps['engine']:.1f}s "
+          f"({report['clock']}); the profile predicts {steps['profile']:.1f}s for the same batches "
+          f"({steps['profile'] / steps['engine'] - 1:+.1%})")
+    print(f"{'':20}{'engine':>12}{'simulator':>12}{'error':>10}")
+    for name, row in report["figures"].items():
+        error = "n/a" if row["relative_error"] is None else f"{row['relative_error']:+.1%}"
+        print(f"{name:20}{row['engine']:12.4f}{row['simulator']:12.4f}{error:>10}")
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def parse_sweep(text: str) -> tuple[str, list[int | None]]:
+    name, _, values = text.partition("=")
+    name = name.strip().replace("-", "_").removeprefix("__")
+    if name not in CAPACITIES or not values:
+        raise ValueError(f"--sweep takes PARAM=A,B,C with PARAM one of {', '.join(CAPACITIES)}, not {text!r}")
+    return name, [tokens(v) for v in values.split(",")]
+
+
+def simulate(trace, config: SimConfig, cost: CostModel, label: str = "") -> SimResult:
+    bar = Progress(label) if sys.stderr.isatty() else None
+    try:
+        return Simulator(trace, config, cost, progress=bar).run()
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def headline(report: dict, prefix: str = "") -> str:
+    hits = report["hit_rate"]
+    return (f"{prefix}{report['requests']} requests | hit rate {hits['total']:.3f} (device {hits['device']:.3f}, "
+            f"host {hits['host']:.3f}, store {hits['store']:.3f}; ideal {report['ideal_hit_rate']:.3f}) | "
+            f"TTFT p50 {report['ttft_s']['p50']:.3f}s p90 {report['ttft_s']['p90']:.3f}s | TPOT p50 "
+            f"{report['tpot_s']['p50'] * 1000:.1f}ms | {report['throughput_tok_s']:.0f} tok/s | "
+            f"{report['preemptions']} preemptions | {report['wall_s']:.1f}s wall")
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn at most 10 times a second."""
+
+    def __init__(self, label: str = ""):
+        self.label = label
+        self.started = time.perf_counter()
+        self._drawn = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self._drawn < 0.1 and done < total:
+            return
+        self._drawn = now
+        filled = math.floor(30 * done / total)
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} requests "
+                         f"{now - self.started:.0f}s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+# ---- calibrate ----------------------------------------------------------------------------------
+def add_calibrate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("calibrate", help="fit the simulator's cost model to the real engine on "
+                                                   "this machine")
+    parser.add_argument("--output", type=Path, default=DEFAULT_PROFILE, help="where to write the JSON profile")
+    parser.add_argument("--machine", default=None, help="how to name this machine in the profile "
+                                                        "(default: CPU model and core count)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: steady on a shared machine; use the same for --validate)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of the grid; each step keeps its median time")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="time steps by the engine thread's CPU time (default: neighbours on a shared machine "
+                             "do not count) or by wall time")
+    parser.set_defaults(run=run_calibrate)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from kvstrata.calibrate import calibrate
+
+    calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock)
+    calibration.save(args.output)
+    print(calibration.report())
+    print(f"profile written to {args.output}: {calibration.model.source}")
+    return 0

@@ -1,0 +1,140 @@
+"""The simulator's stand-ins for KV bytes and store I/O, on a virtual clock.
+
+The real `TierManager` runs unchanged on top of them:
+- `NullMover` copies nothing between device and host; it adds up what the copies would cost, and
+  the step that made them pays for it (the engine copies inside the step too).
+- `SimStore` is the store tier: which block hashes it holds, least recently used deleted first.
+  Its records are the block hashes themselves. One instance serves a whole fleet.
+- `VirtualExecutor` runs each store call when its transfer would have ended, so store lookups
+  and loads take virtual time and requests sit in LOADING, blocks IN_FLIGHT, as in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from kvstrata.cost_model import Link
+from kvstrata.kvcache.hashing import BlockHash
+
+logger = logging.getLogger(__name__)
+
+
+class VirtualClock:
+    """Seconds since the start of the simulation; only the event loop moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class NullMover:
+    """A `BlockMover` that moves no bytes: device <-> host copies accrue `link` time for the step."""
+
+    def __init__(self, link: Link, block_bytes: int):
+        self.link = link
+        self.block_bytes = block_bytes
+        self._seconds = 0.0
+
+    def copy(self, src_tier: str, dst_tier: str, pairs: Sequence[tuple[int, int]]) -> None:
+        self._seconds += self.link.seconds(len(pairs) * self.block_bytes)
+
+    def encode(self, tier: str, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bytes:
+        return block_hash
+
+    def decode_into(self, tier: str, block_id: int, record: bytes, block_hash: BlockHash,
+                    token_ids: Sequence[int]) -> None:
+        if record != block_hash:
+            raise BadRecord("hash")
+
+    def take_seconds(self) -> float:
+        """Copy time accrued since the last call."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+
+class BadRecord(ValueError):
+    def __init__(self, reason: str):
+        super().__init__(f"store record failed its {reason} check")
+        self.reason = reason
+
+
+class SimStore:
+    """The store tier: block hashes it holds, least recently read or written deleted first."""
+
+    def __init__(self, capacity_blocks: int | None = None):
+        if capacity_blocks is not None and capacity_blocks < 1:
+            raise ValueError("a store holds at least one block (or is unbounded)")
+        self.capacity_blocks = capacity_blocks
+        self.evictions = 0
+        self._records: OrderedDict[BlockHash, bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def exists(self, keys: Sequence[BlockHash]) -> list[bool]:
+        return [key in self._records for key in keys]
+
+    def get(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
+        out = []
+        for key in keys:
+            record = self._records.get(key)
+            if record is not None:
+                self._records.move_to_end(key)
+            out.append(record)
+        return out
+
+    def put(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
+        for key, record in items:
+            self._records[key] = record
+            self._records.move_to_end(key)
+        while self.capacity_blocks is not None and len(self._records) > self.capacity_blocks:
+            self._records.popitem(last=False)
+            self.evictions += 1
+
+    def delete(self, keys: Sequence[BlockHash]) -> None:
+        for key in keys:
+            self._records.pop(key, None)
+
+    def close(self) -> None:
+        """Nothing to release: the records live in this object."""
+
+
+Post = Callable[[float, Callable[[], None]], None]
+
+
+class VirtualExecutor:
+    """Store calls on the virtual clock: each runs, and its Future completes, when its transfer ends.
+
+    Calls share one link, first come first served: a call's bytes wait for the bytes before it,
+    its latency overlaps them. `get` and `put` move a block per key; `exists` and `delete` cost
+    latency only. `post(time, callback)` hands the completion to the event loop.
+    """
+
+    def __init__(self, clock: VirtualClock, link: Link, block_bytes: int, post: Post):
+        self.clock = clock
+        self.link = link
+        self.block_bytes = block_bytes
+        self.post = post
+        self._link_free_at = 0.0
+
+    def submit(self, fn: Callable, /, *args) -> Future:
+        nbytes = self.block_bytes * len(args[0]) if getattr(fn, "__name__", "") in ("get", "put") else 0
+        start = max(self.clock.now, self._link_free_at)
+        self._link_free_at = start + nbytes / self.link.bandwidth
+        future: Future = Future()
+        self.post(start + self.link.seconds(nbytes), lambda: _complete(future, fn, args))
+        return future
+
+
+def _complete(future: Future, fn: Callable, args: tuple) -> None:
+    try:
+        result = fn(*args)
+    except Exception as exc:       # the tier manager reads store failures from the Future, as in the engine
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,0 +1,345 @@
+"""`kvstrata simulate`: a trace replayed through the real Scheduler and TierManager on a virtual clock.
+
+One discrete-event loop, no sleeping, no torch; the code that schedules and caches is the code
+that serves requests:
+
+    arrival    build the Request (token ids and block hashes from the trace ids), route it to an
+               engine, add it to that engine's Scheduler
+    step       an idle engine with work calls schedule(); the step lasts what the cost model
+               charges for its batch plus its device <-> host copies; when it ends, update() gets
+               one sampled token per sampling chunk (requests stop at their trace output length)
+               and the next step starts at once
+    store I/O  lookups, loads and writes complete when their transfer would have (sim_io), so
+               requests wait in LOADING and blocks stay IN_FLIGHT as in the engine
+
+At equal times arrivals go first, then store I/O, then steps: a burst of arrivals meets the next
+step together. A fleet is K engines on the same clock sharing one store.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvstrata.config import POLICIES, WRITE_POLICIES, CacheConfig, SchedulerConfig
+from kvstrata.cost_model import BatchShape, CostModel
+from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.kvcache.tiers import TierManager
+from kvstrata.request import Request, SamplingParams
+from kvstrata.routers import ROUTERS, make_router
+from kvstrata.scheduler import Scheduler, SchedulerOutput
+from kvstrata.sim_io import NullMover, SimStore, VirtualClock, VirtualExecutor
+from kvstrata.traces import TRACE_BLOCK, TraceRequest, TraceTokens, ideal_hit_rate, num_prompt_blocks
+
+logger = logging.getLogger(__name__)
+
+SIM_FINGERPRINT = "kvstrata-simulator"   # the hash root of simulated blocks
+SAMPLED_TOKEN = 0                        # what every simulated step samples (requests ignore EOS)
+ARRIVAL, IO, STEP = 0, 1, 2              # event order at equal times
+TIERS = ("device", "host", "store")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What is simulated. Capacities are per engine, in tokens; None is unbounded, 0 is no tier."""
+
+    block_size: int = 512
+    device_cache_tokens: int | None = None
+    host_cache_tokens: int | None = 0
+    store_cache_tokens: int | None = 0            # one store, shared by the fleet
+    instances: int = 1
+    router: str = "round_robin"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 8192
+    policy: str = "fcfs"
+    write_policy: str = "write_back"
+    store_timeout: float = 2.0
+    audit: bool = False
+
+    def validate(self) -> SimConfig:
+        size = self.block_size
+        if size < 1 or size & (size - 1) or TRACE_BLOCK % size:
+            raise ValueError(f"block_size must be a power of two dividing {TRACE_BLOCK}, not {size}")
+        if self.device_cache_tokens is not None and self.device_cache_tokens < size:
+            raise ValueError(f"the device cache must hold at least one block of {size} tokens")
+        for name in ("host_cache_tokens", "store_cache_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.instances < 1:
+            raise ValueError("instances must be at least 1")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
+        if self.policy not in POLICIES or self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, write_policy one of {WRITE_POLICIES}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        return self
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    engine: int = -1
+    first_token: float = math.nan
+    finish: float = math.nan
+    cached_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        """Seconds per output token after the first (nan for one-token outputs)."""
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+
+@dataclass
+class _Engine:
+    """One simulated engine: the real scheduler and tier manager, and its place on the clock."""
+
+    index: int
+    scheduler: Scheduler
+    tiers: TierManager
+    mover: NullMover
+    output: SchedulerOutput | None = None      # the step in progress, applied when it ends
+    wake_at: float | None = None               # a pending wake-up of an idle engine
+    steps: int = 0
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    profile: str
+    records: list[RequestRecord]
+    prompt_blocks: int
+    ideal_hit_rate: float
+    engines: list[dict]                        # per-engine counters
+    store_evictions: int
+    wall_s: float
+    audited_steps: int = 0
+    blocks_at_end: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The figures `kvstrata simulate --output-json` writes (hit rates are shares of prompt blocks)."""
+        size = self.config.block_size
+        hits = {tier: sum(e["hit_tokens"][tier] for e in self.engines) // size for tier in TIERS}
+        evictions = {tier: sum(e["evicted_blocks"][tier] for e in self.engines) for tier in ("device", "host")}
+        out = summarize(self.records, hits, self.prompt_blocks)
+        out.update(ideal_hit_rate=self.ideal_hit_rate,
+                   preemptions=sum(e["preemptions"] for e in self.engines),
+                   evictions={**evictions, "store": self.store_evictions},
+                   steps=sum(e["steps"] for e in self.engines),
+                   transfers={key: _add(e[key] for e in self.engines)
+                              for key in ("loaded_blocks", "offloaded_blocks", "load_failures", "store_errors")},
+                   wall_s=round(self.wall_s, 3), profile=self.profile, config=asdict(self.config))
+        if self.config.instances > 1:
+            out["per_engine"] = []
+            for e in self.engines:
+                mine = [r for r in self.records if r.engine == e["index"]]
+                blocks = sum(math.ceil(r.prompt_tokens / size) for r in mine)
+                engine_hits = {tier: e["hit_tokens"][tier] // size for tier in TIERS}
+                out["per_engine"].append({**summarize(mine, engine_hits, blocks),
+                                          "preemptions": e["preemptions"], "steps": e["steps"]})
+        if self.config.audit:
+            out["audit"] = {"steps_audited": self.audited_steps, **self.blocks_at_end}
+        return out
+
+
+def summarize(records: list[RequestRecord], hit_blocks: dict[str, int], prompt_blocks: int) -> dict:
+    ttft = np.array([r.ttft for r in records])
+    tpot = np.array([r.tpot for r in records])
+    tpot = tpot[~np.isnan(tpot)]
+    start = min((r.arrival for r in records), default=0.0)
+    end = max((r.finish for r in records), default=0.0)
+    output_tokens = sum(r.output_tokens for r in records)
+    rates = {tier: hit_blocks[tier] / prompt_blocks if prompt_blocks else 0.0 for tier in TIERS}
+    rates["total"] = sum(hit_blocks.values()) / prompt_blocks if prompt_blocks else 0.0
+    return {"requests": len(records), "hit_rate": rates, "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot),
+            "throughput_tok_s": output_tokens / (end - start) if end > start else 0.0,
+            "simulated_s": end - start, "output_tokens": output_tokens}
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    if not len(values):
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(values.mean())}
+
+
+def _add(tables) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for table in tables:
+        for key, value in table.items():
+            total[key] = total.get(key, 0) + value
+    return dict(sorted(total.items()))
+
+
+class Simulator:
+    """Replays `trace` once: `run()` returns the figures. `progress(done, total)` hears each finish."""
+
+    def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel,
+                 progress: Callable[[int, int], None] | None = None):
+        self.trace, self.config, self.cost = trace, config.validate(), cost
+        self.progress = progress
+        size = config.block_size
+        self.tokens = TraceTokens(BlockHasher.create(size, SIM_FINGERPRINT))
+        self.clock = VirtualClock()
+        self._events: list[tuple] = []          # (time, kind, seq, function, argument)
+        self._seq = itertools.count()
+        self.records = [RequestRecord(r.arrival, r.input_length, r.output_length) for r in trace]
+        self._finished = 0
+        self._audited = 0
+        max_len = max(r.input_length + r.output_length for r in trace)
+        need = max(math.ceil((r.input_length + r.output_length - 1) / size) for r in trace)
+        everything = sum(math.ceil((r.input_length + r.output_length) / size) for r in trace)
+        device = everything if config.device_cache_tokens is None else config.device_cache_tokens // size
+        if device < need:
+            raise ValueError(f"the longest request needs {need * size} tokens of device cache but it holds "
+                             f"{device * size}; raise --device-cache-tokens or cap --max-input-tokens")
+        host = everything if config.host_cache_tokens is None else config.host_cache_tokens // size
+        store_blocks = None if config.store_cache_tokens is None else config.store_cache_tokens // size
+        self.store = SimStore(store_blocks) if store_blocks != 0 else None
+        cache = CacheConfig(block_size=size, num_device_blocks=device, num_host_blocks=host,
+                            store="none" if self.store is None else "disk", write_policy=config.write_policy,
+                            store_timeout=config.store_timeout)
+        cache.validate()
+        scheduling = SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                     max_num_batched_tokens=config.max_num_batched_tokens,
+                                     max_model_len=max(max_len, 2), policy=config.policy)
+        scheduling.validate()
+        self.engines = [self._engine(index, cache, scheduling) for index in range(config.instances)]
+        self.router = make_router(config.router, [e.scheduler for e in self.engines], self.tokens.per_trace_block)
+
+    def _engine(self, index: int, cache: CacheConfig, scheduling: SchedulerConfig) -> _Engine:
+        block_bytes = self.cost.block_bytes(cache.block_size)
+        mover = NullMover(self.cost.host_link, block_bytes)
+
+        def post_io(at: float, callback: Callable[[], None]) -> None:
+            self._post(at, IO, self._on_io, (index, callback))
+
+        executor = VirtualExecutor(self.clock, self.cost.store_link, block_bytes, post_io)
+        tiers = TierManager(cache, cache.num_device_blocks, cache.num_host_blocks, store=self.store, mover=mover,
+                            executor=executor, clock=self.clock, probe_wait=0)
+        return _Engine(index, Scheduler(scheduling, tiers), tiers, mover)
+
+    # ---- the event loop -------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        ideal = ideal_hit_rate(self.trace, self.tokens)     # also fills the hash cache the arrivals read
+        events, trace, clock, arrivals = self._events, self.trace, self.clock, 0
+        next_arrival = trace[0].arrival
+        while True:
+            if events and events[0][0] < next_arrival:
+                clock.now, _, _, function, argument = heapq.heappop(events)
+                function(argument)
+            elif arrivals < len(trace):
+                clock.now = next_arrival
+                self._arrive(arrivals)
+                arrivals += 1
+                next_arrival = trace[arrivals].arrival if arrivals < len(trace) else math.inf
+            else:
+                break
+        if self._finished < len(trace):
+            raise RuntimeError(f"the simulation stalled with {len(trace) - self._finished} requests unfinished "
+                               "and nothing left to happen")
+        return self._result(ideal, time.perf_counter() - started)
+
+    def _post(self, at: float, kind: int, function: Callable, argument=None) -> None:
+        heapq.heappush(self._events, (at, kind, next(self._seq), function, argument))
+
+    def _arrive(self, index: int) -> None:
+        entry = self.trace[index]
+        request = Request(str(index), self.tokens.prompt(entry), SamplingParams(max_tokens=entry.output_length,
+                                                                                ignore_eos=True),
+                          self.tokens.hasher, arrival_time=entry.arrival, block_hashes=self.tokens.block_hashes(entry))
+        engine = self.engines[self.router.route(request) if len(self.engines) > 1 else 0]
+        self.records[index].engine = engine.index
+        engine.scheduler.add_request(request)
+        self._wake(engine, self.clock.now)
+
+    def _on_io(self, job: tuple[int, Callable[[], None]]) -> None:
+        index, callback = job
+        callback()
+        engine = self.engines[index]
+        if engine.scheduler.has_work:
+            self._wake(engine, self.clock.now)
+
+    def _wake(self, engine: _Engine, at: float) -> None:
+        """Have an idle engine call schedule() at `at` (a busy one schedules when its step ends)."""
+        if engine.output is not None or (engine.wake_at is not None and engine.wake_at <= at):
+            return
+        engine.wake_at = at
+        self._post(at, STEP, self._on_wake, engine)
+
+    def _on_wake(self, engine: _Engine) -> None:
+        if engine.output is None and engine.wake_at == self.clock.now:      # else superseded by an earlier wake
+            engine.wake_at = None
+            self._start_step(engine)
+
+    def _start_step(self, engine: _Engine) -> None:
+        output = engine.scheduler.schedule()
+        if output.is_empty:
+            if engine.tiers.has_transfers:          # come back by the time any pending transfer times out
+                self._wake(engine, self.clock.now + self.config.store_timeout)
+            return
+        engine.output = output
+        seconds = self.cost.step_seconds(BatchShape.of(output.chunks)) + engine.mover.take_seconds()
+        self._post(self.clock.now + seconds, STEP, self._end_step, engine)
+
+    def _end_step(self, engine: _Engine) -> None:
+        output, engine.output = engine.output, None
+        now, records = self.clock.now, self.records
+        sampled = {}
+        for chunk in output.chunks:
+            if chunk.sample:
+                request = chunk.request
+                sampled[request.request_id] = SAMPLED_TOKEN
+                if request.num_output_tokens == 0:
+                    records[int(request.request_id)].first_token = now
+        for request in engine.scheduler.update(output, sampled):
+            record = records[int(request.request_id)]
+            record.finish, record.cached_tokens = now, request.num_cached_tokens
+            record.preemptions = request.num_preemptions
+            self._finished += 1
+            if self.progress is not None:
+                self.progress(self._finished, len(records))
+        engine.steps += 1
+        if self.config.audit:
+            engine.scheduler.audit()
+            self._audited += 1
+        self._start_step(engine)
+
+    # ---- results --------------------------------------------------------------------------------
+    def _result(self, ideal: float, wall_s: float) -> SimResult:
+        engines = []
+        for engine in self.engines:
+            stats = engine.tiers.stats
+            engines.append({"index": engine.index, "hit_tokens": dict(stats.hit_tokens),
+                            "evicted_blocks": dict(stats.evicted_blocks), "loaded_blocks": dict(stats.loaded_blocks),
+                            "offloaded_blocks": dict(stats.offloaded_blocks),
+                            "load_failures": dict(stats.load_failures),
+                            "store_errors": {**stats.store_errors, "dropped_writes": stats.dropped_writes},
+                            "preemptions": engine.scheduler.num_preemptions, "steps": engine.steps})
+        at_end = {}
+        if self.config.audit:
+            for engine in self.engines:
+                for tier, counts in engine.tiers.audit().items():
+                    at_end[f"{tier}_used_at_end"] = at_end.get(f"{tier}_used_at_end", 0) + counts.used
+                    at_end[f"{tier}_in_flight_at_end"] = at_end.get(f"{tier}_in_flight_at_end", 0) + counts.in_flight
+        return SimResult(self.config, self.cost.source, self.records,
+                         num_prompt_blocks(self.trace, self.config.block_size), ideal, engines,
+                         self.store.evictions if self.store is not None else 0, wall_s, self._audited, at_end)
