@@ -124,12 +124,24 @@ class DecodeReservation:
 
 @dataclass
 class RequestBlocks:
-    """A request's device block table, how many of its blocks are indexed, and its pending load."""
+    """A request's device block table, how many of its blocks are indexed, and its pending load.
+
+    `block_ids` mirrors `blocks` as plain ints, kept in step, so handing the table to the runner
+    every step costs nothing.
+    """
 
     request: Request
     blocks: list[Block]
     num_registered: int = 0
     load: LoadTransfer | None = None
+    block_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_ids = [block.block_id for block in self.blocks]
+
+    def extend(self, blocks: list[Block]) -> None:
+        self.blocks.extend(blocks)
+        self.block_ids.extend(block.block_id for block in blocks)
 
 
 @dataclass
@@ -180,6 +192,7 @@ class TierManager:
         self.reservation = DecodeReservation.from_config(config)
         self.stats = CacheStats()
         self._tables: dict[str, RequestBlocks] = {}
+        self._loading: dict[str, RequestBlocks] = {}      # the tables whose request waits on a load
         self._probes: dict[str, _Probe] = {}
         self._orphans: list[LoadTransfer] = []
         self._writes: list[Future] = []
@@ -190,16 +203,16 @@ class TierManager:
         return request_id in self._tables
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self._tables[request_id].blocks]
+        """The request's block table; read-only, and valid until its blocks next change."""
+        return self._tables[request_id].block_ids
 
     def is_loading(self, request_id: str) -> bool:
-        rb = self._tables.get(request_id)
-        return rb is not None and rb.load is not None
+        return request_id in self._loading
 
     @property
     def has_transfers(self) -> bool:
         """Loads or writes still running (the engine keeps stepping until they settle)."""
-        return bool(self._orphans or self._writes or any(rb.load for rb in self._tables.values()))
+        return bool(self._orphans or self._writes or self._loading)
 
     def _max_hit_blocks(self, request: Request) -> int:
         """Full blocks a hit may cover: the last token is always computed, for its logits."""
@@ -338,6 +351,8 @@ class TierManager:
             first_admission = request.num_cached_tokens < 0
             load = self._admit_loads(plan, targets, first_admission)
             self._tables[request.request_id] = RequestBlocks(request, table, len(plan.hit_blocks), load)
+            if load is not None:
+                self._loading[request.request_id] = self._tables[request.request_id]
         except BaseException:
             for step in reversed(undo):
                 step()
@@ -392,7 +407,7 @@ class TierManager:
         if got is None:
             return False
         new_blocks, evicted = got
-        rb.blocks.extend(new_blocks)
+        rb.extend(new_blocks)
         self._offload_evicted(evicted)
         return True
 
@@ -418,6 +433,7 @@ class TierManager:
         rb = self._tables.pop(request.request_id, None)
         if rb is None:
             return
+        self._loading.pop(request.request_id, None)
         in_flight = set()
         if rb.load is not None:
             rb.load.request = None
@@ -505,20 +521,20 @@ class TierManager:
     def poll_loads(self) -> list[Request]:
         """Settle every load that finished or timed out; return the requests ready to run."""
         ready = []
-        for rb in list(self._tables.values()):
-            if rb.load is not None:
-                loaded = self._settle(rb.load)
-                if loaded is not None:
-                    rb.load = None
-                    rb.num_registered += loaded
-                    ready.append(rb.request)
+        for rb in list(self._loading.values()):
+            loaded = self._settle(rb.load)
+            if loaded is not None:
+                rb.load = None
+                rb.num_registered += loaded
+                del self._loading[rb.request.request_id]
+                ready.append(rb.request)
         self._orphans = [load for load in self._orphans if self._settle(load) is None]
         self._writes = [w for w in self._writes if not self._settle_write(w)]
         return ready
 
     def wait_for_transfers(self, timeout: float) -> None:
         """Block until some transfer may have settled (the engine calls this when it has nothing else)."""
-        pending = [rb.load.future for rb in self._tables.values() if rb.load] + [t.future for t in self._orphans]
+        pending = [rb.load.future for rb in self._loading.values()] + [t.future for t in self._orphans]
         pending += self._writes
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
@@ -595,6 +611,7 @@ class TierManager:
             assert load.orphaned, "an orphaned load still names a request"
             in_flight.extend(block.block_id for block in load.targets)
         assert len(in_flight) == len(set(in_flight)), "a block is the target of two loads"
+        assert {rid for rid, rb in self._tables.items() if rb.load} == set(self._loading), "loading index is stale"
         counts = {"device": self.device.audit(holders, in_flight)}
         if self.host is not None:
             counts["host"] = self.host.audit({})
