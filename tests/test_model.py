@@ -171,7 +171,7 @@ def test_smollm2_greedy_answer_names_paris(smollm2):
     assert "Paris" in answer, answer
 
 
-@pytest.mark.parametrize("rows", [1, 3, 40, SPLIT_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, SPLIT_MAX_ROWS + 1])
 @pytest.mark.parametrize("parts", [1, 2, 4])
 def test_split_linear_equals_f_linear(rows, parts):
     gen = torch.Generator().manual_seed(rows)

@@ -90,6 +90,19 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _convert(path: Path, out: Path, sha256: str) -> None:
+    if _convert_weights(path, out):
+        _save_tokenizer(path, out)
+    else:
+        logger.warning("%s has no tokenizer; the model will take token ids only", path.name)
+    (out / "kvstrata.json").write_text(json.dumps(
+        {"source": str(path), "sha256": sha256, "converter_version": CONVERTER_VERSION}, indent=2))
+    for f in out.iterdir():             # mkdtemp and save_file leave owner-only modes
+        f.chmod(0o644)
+    out.chmod(0o755)
+
+
+def _convert_weights(path: Path, out: Path) -> bool:
+    """Write model.safetensors and config.json; returns whether the file carries a tokenizer."""
     reader = gguf.GGUFReader(path)
 
     def meta(key: str, default: Any = None) -> Any:
@@ -114,19 +127,8 @@ def _convert(path: Path, out: Path, sha256: str) -> None:
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    has_tokenizer = "tokenizer.ggml.model" in reader.fields
-    del reader
-    if has_tokenizer:
-        _save_tokenizer(path, out)
-    else:
-        logger.warning("%s has no tokenizer; the model will take token ids only", path.name)
-    (out / "kvstrata.json").write_text(json.dumps(
-        {"source": str(path), "sha256": sha256, "converter_version": CONVERTER_VERSION}, indent=2))
-    for f in out.iterdir():             # mkdtemp and save_file leave owner-only modes
-        f.chmod(0o644)
-    out.chmod(0o755)
+    return "tokenizer.ggml.model" in reader.fields
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -87,8 +87,9 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device     # canonical: 'cuda' -> 'cuda:0'
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.parts = split_parts(self.device, [arch.q_size + 2 * arch.kv_size, arch.hidden_size,
-                                               2 * arch.intermediate_size, arch.vocab_size])
+        outs = [arch.q_size + 2 * arch.kv_size, arch.hidden_size, 2 * arch.intermediate_size,
+                arch.vocab_size]
+        self.parts = split_parts(self.device, dtype, outs)     # see kvstrata.model.linear
         self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.parts) for _ in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dtype)
         self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size,
