@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-slow serve clean
+.PHONY: install test test-slow serve bench clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ SERVE_ARGS ?= --host-cache-memory 1GiB --store disk
 
 serve: $(STAMP)
 	$(BIN)/kvstrata serve $(SERVE_ARGS) $(ARGS)
+
+# Peers (vLLM CPU, llama.cpp, transformers) install into bench/peers/venvs on first use, never into .venv.
+# About 40 minutes on 2 cores (plus ~15 for first installs); ARGS=--quick checks the pipeline in a few.
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -16,6 +16,7 @@ import types
 import typing
 from collections.abc import Callable
 
+from kvstrata.bench.cli import add_bench
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, parse_size
 from kvstrata.sim_cli import add_calibrate, add_simulate
 
@@ -132,7 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 # ---- entry --------------------------------------------------------------------------------------
-COMMANDS = [add_generate, add_serve, add_simulate, add_calibrate]
+COMMANDS = [add_generate, add_serve, add_simulate, add_calibrate, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,78 @@
+"""llama.cpp (llama-cpp-python) on the offline cases, serving the Q4_1 GGUF directly.
+
+The high-level `Llama` class decodes one sequence at a time, so a batch goes through the
+low-level `llama_batch` API: one sequence id per prompt, prompts prefilled in one batch, then
+one token per live sequence per decode; `kv_unified=False` (independent sequences are faster,
+research/assets.md). Greedy: argmax of each sequence's logits, EOS never stops a sequence.
+"""
+
+import llama_cpp
+import numpy as np
+from common import emit, parse_args, read_cases, time_case
+
+N_BATCH = 512
+
+
+def generate(ctx, vocab: int, prompts: list[list[int]], output_len: int) -> None:
+    n = len(prompts)
+    batch = llama_cpp.llama_batch_init(max(N_BATCH, n), 0, 1)
+    memory = llama_cpp.llama_get_memory(ctx)
+    llama_cpp.llama_memory_clear(memory, True)
+    try:
+        tokens: dict[int, int] = {}                        # sequence -> its last sampled token
+        flat = [(s, i, t) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+        for start in range(0, len(flat), N_BATCH):        # prefill, N_BATCH tokens per decode
+            chunk = flat[start:start + N_BATCH]
+            batch.n_tokens = len(chunk)
+            ends = []
+            for j, (s, i, t) in enumerate(chunk):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j] = t, i, 1
+                batch.seq_id[j][0] = s
+                batch.logits[j] = i == len(prompts[s]) - 1
+                if batch.logits[j]:
+                    ends.append((s, j))
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            tokens.update({s: _argmax(ctx, j, vocab) for s, j in ends})
+        for step in range(1, output_len):                  # decode: one token per sequence
+            batch.n_tokens = n
+            for s in range(n):
+                batch.token[s], batch.pos[s], batch.n_seq_id[s] = tokens[s], len(prompts[s]) + step - 1, 1
+                batch.seq_id[s][0], batch.logits[s] = s, True
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            tokens = {s: _argmax(ctx, s, vocab) for s in range(n)}
+    finally:
+        llama_cpp.llama_batch_free(batch)
+
+
+def _argmax(ctx, index: int, vocab: int) -> int:
+    logits = llama_cpp.llama_get_logits_ith(ctx, index)
+    return int(np.argmax(np.ctypeslib.as_array(logits, shape=(vocab,))))
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    cases = read_cases(args.prompts)
+    max_seqs = max(len(r) for c in cases for r in c.repeats)
+    n_ctx = max(len(p) for c in cases for r in c.repeats for p in r) + max(c.output_len for c in cases)
+    llama_cpp.llama_backend_init()
+    model_params = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(args.model.encode(), model_params)
+    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx * max_seqs, N_BATCH, N_BATCH
+    params.n_seq_max, params.n_threads, params.n_threads_batch = max_seqs, args.threads, args.threads
+    params.kv_unified = False
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    generate(ctx, vocab, [list(range(1000, 1016))], 8)
+    results = []
+    for case in cases:
+        results.append(time_case(case, lambda prompts: generate(ctx, vocab, prompts, case.output_len), args.patience))
+    config = {"gguf": args.model, "threads": args.threads, "n_batch": N_BATCH, "kv_unified": False,
+              "api": "llama_batch (low level)"}
+    emit(args.json, "llama.cpp", llama_cpp.__version__, config, results)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+
+
+if __name__ == "__main__":
+    main()

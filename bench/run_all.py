@@ -1,0 +1,244 @@
+"""`make bench`: install the peers, measure everything in one run, regenerate BENCHMARKS.md.
+
+    .venv/bin/python bench/run_all.py              # about 35 minutes on the 2-core machine
+    .venv/bin/python bench/run_all.py --quick      # tiny sizes: checks the pipeline in a few minutes
+    .venv/bin/python bench/run_all.py --render bench/results/20261129-220000   # tables from saved results
+
+Offline: the same token ids (single stream and batch 32, 128 in / 128 out) through kvstrata's
+Python API, transformers `generate`, llama.cpp and vLLM, each in its own process and venv.
+Served: kvstrata with prefix caching on, kvstrata with it off, and vLLM serve side by side; for
+each workload `kvstrata bench serve` alternates them on the same request sequence. Peers are
+never kvstrata dependencies: they live in bench/peers/venvs (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT / "bench" / "peers"
+VENVS = PEERS / "venvs"
+BIN = Path(sys.executable).parent
+THREADS = 2
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+logger = logging.getLogger("run_all")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    offline_batches: tuple[int, ...] = (1, 32)
+    offline_len: int = 128
+    offline_repeats: int = 3
+    serve_repeats: int = 2
+    shared_prefix: tuple[str, ...] = ("--num-requests", "64", "--num-prefixes", "4", "--prefix-len", "512",
+                                      "--input-len", "64", "--output-len", "64", "--request-rate", "1")
+    multi_turn: tuple[str, ...] = ("--num-requests", "64", "--turns", "4", "--input-len", "128",
+                                   "--output-len", "64", "--turn-gap", "1", "--request-rate", "0.5")
+    slo: str = "ttft=2000,tpot=250"
+
+
+QUICK = Sizes(offline_batches=(1, 4), offline_len=16, offline_repeats=1, serve_repeats=1,
+              shared_prefix=("--num-requests", "8", "--num-prefixes", "2", "--prefix-len", "64",
+                             "--input-len", "16", "--output-len", "8", "--request-rate", "4"),
+              multi_turn=("--num-requests", "8", "--turns", "2", "--input-len", "16", "--output-len", "8",
+                          "--turn-gap", "0.2", "--request-rate", "2"))
+
+
+def run(command: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 1800) -> None:
+    """Run to completion, output to `log` (and its tail to the console on failure)."""
+    logger.info("$ %s", " ".join(command))
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+    if done.returncode:
+        raise RuntimeError(f"{command[0]} failed ({done.returncode}); see {log}:\n{log.read_text()[-3000:]}")
+
+
+def machine_facts() -> dict:
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
+    flags = next(line for line in cpuinfo.splitlines() if line.startswith("flags")).split()
+    memory = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+    return {"cpu": model, "cores": os.cpu_count(), "memory_gib": round(int(memory.split()[1]) / 1024**2, 1),
+            "isa": [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile") if f in flags],
+            "kernel": os.uname().release, "python": sys.version.split()[0]}
+
+
+# ---- offline ------------------------------------------------------------------------------------
+def torch_dtypes() -> list[str]:
+    """fp32 always; bf16 too where the CPU has native bf16 (without it bf16 GEMMs run 3-8x slower)."""
+    import torch
+
+    from kvstrata.model.loader import resolve_dtype
+
+    auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    return ["float32"] + (["bfloat16"] if auto == "bfloat16" else [])
+
+
+def offline(out: Path, sizes: Sizes, hf_folder: str, gguf: str, patience: float) -> None:
+    from kvstrata.bench.cases import write_cases
+    from kvstrata.bench.offline import make_cases
+
+    prompts = out / "offline-prompts.json"
+    write_cases(prompts, make_cases(list(sizes.offline_batches), sizes.offline_len, sizes.offline_len,
+                                    sizes.offline_repeats, seed=0))
+    peer = ["--prompts", str(prompts), "--threads", str(THREADS), "--patience", str(patience)]
+    jobs = []
+    for dtype in torch_dtypes():
+        jobs += [(f"kvstrata-{dtype}", [str(BIN / "kvstrata"), "bench", "offline", *peer, "--dtype", dtype]),
+                 (f"hf-{dtype}", [str(VENVS / "hf/bin/python"), str(PEERS / "offline_hf.py"), *peer,
+                                  "--model", hf_folder, "--dtype", dtype]),
+                 (f"vllm-{dtype}", [str(VENVS / "vllm/bin/python"), str(PEERS / "offline_vllm.py"), *peer,
+                                    "--model", hf_folder, "--dtype", dtype])]
+    jobs.append(("llamacpp-q4_1", [str(VENVS / "llamacpp/bin/python"), str(PEERS / "offline_llamacpp.py"), *peer,
+                                   "--model", gguf]))
+    for name, command in jobs:
+        run([*command, "--json", str(out / f"offline-{name}.json")], out / f"offline-{name}.log", env=peer_env())
+
+
+# ---- served -------------------------------------------------------------------------------------
+KVSTRATA_SERVE = ("--max-num-seqs", "64", "--kv-cache-memory", "2GiB", "--threads", str(THREADS))
+VLLM_SERVE = ("--max-num-seqs", "64", "--enable-prompt-tokens-details")   # the latter: cached_tokens in usage
+
+
+def peer_env() -> dict[str, str]:
+    cache = "/tmp/kvstrata-peers-cache"
+    return {"OMP_NUM_THREADS": str(THREADS), "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "VLLM_CACHE_ROOT": f"{cache}/vllm", "HF_HOME": f"{cache}/hf", "XDG_CACHE_HOME": f"{cache}/xdg",
+            "MPLCONFIGDIR": f"{cache}/mpl", "HF_HUB_OFFLINE": "1"}
+
+
+@dataclass
+class Server:
+    label: str
+    port: int
+    command: list[str]
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log: Path) -> None:
+        logger.info("starting %s: %s", self.label, " ".join(self.command))
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                            env={**os.environ, **peer_env()})
+
+    def wait_ready(self, timeout: float = 900) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.label} exited with {self.process.returncode} while starting")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return round(time.monotonic() - start, 1)
+            time.sleep(1)
+        raise RuntimeError(f"{self.label} not ready after {timeout}s")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def servers(dtype: str) -> list[Server]:
+    kvstrata = [str(BIN / "kvstrata"), "serve", *KVSTRATA_SERVE, "--dtype", dtype]
+    return [Server("kvstrata", 18601, [*kvstrata, "--port", "18601"]),
+            Server("vllm", 18603, [str(PEERS / "serve_vllm.sh"), "18603", *VLLM_SERVE, "--dtype", dtype]),
+            Server("kvstrata-nocache", 18602, [*kvstrata, "--port", "18602", "--no-enable-prefix-caching"])]
+
+
+def served(out: Path, sizes: Sizes, dtype: str, patience: float) -> dict[str, float]:
+    """Start the servers, run each workload against all of them alternating; start-up seconds per server."""
+    started = {}
+    with contextlib.ExitStack() as stack:
+        group = servers(dtype)
+        for server in group:
+            stack.callback(server.stop)
+            server.start(out / f"server-{server.label}.log")
+        for server in group:
+            started[server.label] = server.wait_ready()
+        urls = ["--base-url", group[0].url] + [a for s in group[1:] for a in ("--compare-url", s.url)]
+        labels = [a for s in group for a in ("--label", s.label)]
+        for name, args in (("shared-prefix", sizes.shared_prefix), ("multi-turn", sizes.multi_turn)):
+            run([str(BIN / "kvstrata"), "bench", "serve", *urls, *labels, "--workload", name, *args,
+                 "--repeats", str(sizes.serve_repeats), "--seed", "0", "--slo", sizes.slo, "--no-progress",
+                 "--patience", str(patience),
+                 "--output", str(out / f"serve-{name}")], out / f"serve-{name}.log", timeout=3600)
+    return started
+
+
+# ---- everything ---------------------------------------------------------------------------------
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the pipeline")
+    parser.add_argument("--only", choices=("offline", "serve"), default=None)
+    parser.add_argument("--render", metavar="RESULTS", default=None, help="only rewrite BENCHMARKS.md from RESULTS")
+    parser.add_argument("--patience", type=float, default=180,
+                        help="seconds each timed repeat may wait for other jobs to leave the cores (default: 180)")
+    parser.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from render_md import render
+
+    if args.render:
+        Path(args.output).write_text(render(Path(args.render), Path(args.output)))
+        return 0
+    out = ROOT / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True)
+    for peer in ("hf", "llamacpp", "vllm"):
+        run([str(PEERS / f"install_{peer}.sh")], out / f"install-{peer}.log", timeout=3600)
+    from kvstrata.bench.cli import default_model_folder
+    from kvstrata.model.loader import default_model_path
+
+    serve_dtype = torch_dtypes()[-1]
+    facts = {"machine": machine_facts(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+             "load_before": os.getloadavg(), "quick": args.quick, "threads": THREADS, "serve_dtype": serve_dtype,
+             "kvstrata_serve": [*KVSTRATA_SERVE, "--dtype", serve_dtype],
+             "vllm_serve": [*VLLM_SERVE, "--dtype", serve_dtype]}
+    sizes = QUICK if args.quick else Sizes()
+    begin = time.monotonic()
+    if args.only in (None, "offline"):
+        offline(out, sizes, str(default_model_folder()), str(default_model_path()), args.patience)
+    if args.only in (None, "serve"):
+        facts["server_start_s"] = served(out, sizes, serve_dtype, args.patience)
+    facts.update(load_after=os.getloadavg(), minutes=round((time.monotonic() - begin) / 60, 1),
+                 versions=peer_versions())
+    (out / "run.json").write_text(json.dumps(facts, indent=1))
+    Path(args.output).write_text(render(out, Path(args.output)))
+    logger.info("results in %s; wrote %s", out, args.output)
+    return 0
+
+
+def peer_versions() -> dict[str, str]:
+    def version(venv: str, module: str) -> str:
+        done = subprocess.run([str(VENVS / venv / "bin/python"), "-c", f"import {module}; print({module}.__version__)"],
+                              capture_output=True, text=True)
+        return done.stdout.strip() or "?"
+    import torch
+
+    return {"kvstrata torch": torch.__version__, "transformers (hf venv)": version("hf", "transformers"),
+            "torch (hf venv)": version("hf", "torch"), "llama-cpp-python": version("llamacpp", "llama_cpp"),
+            "vllm": version("vllm", "vllm"), "torch (vllm venv)": version("vllm", "torch")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
