@@ -30,7 +30,8 @@ from kvstrata.model.forward_batch import ForwardBatch
 class PrefillChunk:
     start: int                     # first token row of the chunk in the batch
     end: int                       # one past its last row
-    block_ids: torch.Tensor | None  # (nblk,) blocks holding keys 0..seq_len-1; None: chunk is the whole context
+    rows: torch.Tensor | None      # gather rows (see _gather_rows) of the blocks holding keys 0..seq_len-1;
+                                   # None: the chunk is the whole context
     mask: torch.Tensor | None      # (n, nblk * bs) additive: 0 where a query may see a key, -inf elsewhere
 
 
@@ -40,13 +41,21 @@ class AttentionPlan:
 
     slot_mapping: torch.Tensor                # (T,)
     num_decodes: int
-    decode_block_ids: torch.Tensor | None     # (B * nblk,) row-major over (sequence, block)
+    decode_rows: torch.Tensor | None          # gather rows of the decodes' blocks, (sequence, block) order
     decode_mask: torch.Tensor | None          # (B, 1, 1, nblk * bs) additive, like PrefillChunk.mask
     prefills: list[PrefillChunk]
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _gather_rows(block_ids: torch.Tensor, planes: int, num_blocks: int) -> torch.Tensor:
+    """Rows of a layer viewed as (planes * num_blocks, bs * D), planes = 2 * KVH, for `block_ids`:
+    plane-major, then the blocks in order. Selecting whole rows of that 2-D view runs about twice
+    as fast on CPU as selecting along the block dimension of the 3-D view."""
+    planes_first = torch.arange(planes, device=block_ids.device)[:, None] * num_blocks
+    return (planes_first + block_ids[None, :]).reshape(-1)
 
 
 class PagedAttention:
@@ -60,17 +69,19 @@ class PagedAttention:
         self.group = num_heads // num_kv_heads
         self._scratch: torch.Tensor | None = None
 
-    def plan(self, batch: ForwardBatch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
-        """Masks are additive in `dtype` (SDPA would convert a boolean mask in every layer)."""
+    def plan(self, batch: ForwardBatch, block_size: int, num_blocks: int, dtype: torch.dtype) -> AttentionPlan:
+        """Masks are additive in `dtype` (SDPA would convert a boolean mask in every layer);
+        `num_blocks` is the size of the cache the blocks are gathered from."""
+        planes = 2 * self.num_kv_heads
         device = batch.input_ids.device
         qsl = batch.query_start_loc
         seq_lens = batch.seq_lens.tolist()      # one host copy per forward (a sync on CUDA)
         nd = batch.num_decodes
         assert qsl[nd] == nd, "decodes must come first, one token each"
-        decode_ids = decode_mask = None
+        decode_rows = decode_mask = None
         if nd:
             nblk = -(-max(seq_lens[:nd]) // block_size)
-            decode_ids = batch.block_tables[:nd, :nblk].reshape(-1)
+            decode_rows = _gather_rows(batch.block_tables[:nd, :nblk].reshape(-1), planes, num_blocks)
             keys = torch.arange(nblk * block_size, device=device)
             decode_mask = _additive(keys[None, :] < batch.seq_lens[:nd, None], dtype).view(nd, 1, 1, -1)
         prefills = []
@@ -85,8 +96,9 @@ class PagedAttention:
             keys = torch.arange(nblk * block_size, device=device)
             last_visible = torch.arange(seq_len - n, seq_len, device=device)
             mask = _additive(keys[None, :] <= last_visible[:, None], dtype)   # (n, nblk * bs)
-            prefills.append(PrefillChunk(start, end, batch.block_tables[b, :nblk], mask))
-        return AttentionPlan(batch.slot_mapping, nd, decode_ids, decode_mask, prefills)
+            prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, :nblk], planes, num_blocks),
+                                         mask))
+        return AttentionPlan(batch.slot_mapping, nd, decode_rows, decode_mask, prefills)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                  plan: AttentionPlan) -> torch.Tensor:
@@ -99,35 +111,35 @@ class PagedAttention:
         out = q.new_empty(t, h * d)                               # (T, H * D)
         nd = plan.num_decodes
         if nd:
-            keys, values = self._gather(kv_layer, plan.decode_block_ids, nd)   # (B, KVH, ctx, D)
+            keys, values = self._gather(kv_layer, plan.decode_rows, nd)        # (B, KVH, ctx, D)
             qd = q[:nd].view(nd, kvh, g, d)                        # (B, KVH, G, D)
             o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=plan.decode_mask)
             out[:nd] = o.reshape(nd, h * d)
         for chunk in plan.prefills:
             n = chunk.end - chunk.start
             qc = q[chunk.start:chunk.end].transpose(0, 1)[None]          # (1, H, n, D)
-            if chunk.block_ids is None:
+            if chunk.rows is None:
                 kc = k[chunk.start:chunk.end].transpose(0, 1)[None]      # (1, KVH, n, D)
                 vc = v[chunk.start:chunk.end].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=g > 1)
             else:
-                kc, vc = self._gather(kv_layer, chunk.block_ids, 1)     # (1, KVH, ctx, D)
+                kc, vc = self._gather(kv_layer, chunk.rows, 1)          # (1, KVH, ctx, D)
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, enable_gqa=g > 1)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1).reshape(n, h * d)   # (n, H * D)
         return out
 
-    def _gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_seqs: int
+    def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor, num_seqs: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy blocks into the scratch buffer; returns K, V views of shape (S, KVH, ctx, D)."""
         two, kvh, num_blocks, bs, d = kv_layer.shape
-        n = block_ids.shape[0]
+        n = rows.shape[0] // (two * kvh)             # blocks, over all sequences
         need = two * kvh * n * bs * d
         scratch = self._scratch
         if scratch is None or scratch.numel() < need or scratch.dtype != kv_layer.dtype \
                 or scratch.device != kv_layer.device:
             size = need if scratch is None else max(need, scratch.numel() * 3 // 2)   # grow rarely
             scratch = self._scratch = torch.empty(size, dtype=kv_layer.dtype, device=kv_layer.device)
-        buf = scratch[:need].view(two * kvh, n, bs * d)
-        torch.index_select(kv_layer.view(two * kvh, num_blocks, bs * d), 1, block_ids, out=buf)
+        buf = scratch[:need].view(two * kvh * n, bs * d)
+        torch.index_select(kv_layer.view(two * kvh * num_blocks, bs * d), 0, rows, out=buf)
         kv = buf.view(two, kvh, num_seqs, n // num_seqs * bs, d)   # (2, KVH, S, ctx, D)
         return kv[0].transpose(0, 1), kv[1].transpose(0, 1)

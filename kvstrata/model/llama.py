@@ -138,7 +138,7 @@ class LlamaModel(nn.Module):
         """Run one step: writes K/V of every token in `batch`, returns float32 logits of shape
         (S, vocab) for the rows `batch.logits_indices`, in that order."""
         assert kv.spec.dtype == self.dtype, f"KV cache is {kv.spec.dtype}, model is {self.dtype}"
-        plan = self.attn.plan(batch, kv.block_size, self.dtype)
+        plan = self.attn.plan(batch, kv.block_size, kv.num_blocks, self.dtype)
         cos, sin = self.rope.lookup(batch.positions)                 # (T, 1, D) each
         h = F.embedding(batch.input_ids, self.embed_tokens)         # (T, E)
         for index, layer in enumerate(self.layers):
