@@ -30,13 +30,15 @@ def fixed_cost(step=0.01, per_prefill_token=0.001, per_decode=0.002, store=Link(
                      compute=(step, per_prefill_token, per_decode, 0.0, 0.0))
 
 
-def synthetic_trace(path: Path, sessions: int = 40, turns: int = 5, gap_ms: int = 700, seed: int = 0) -> Path:
-    """Chat sessions: each turn's prompt is the last prompt plus new blocks; one shared system prompt."""
+def synthetic_trace(path: Path, sessions: int = 40, turns: int = 5, gap_ms: int = 700, seed: int = 0,
+                    max_live: int = 8) -> Path:
+    """Chat sessions: each turn's prompt is the last prompt plus new blocks; one shared system prompt.
+    At most `max_live` sessions are open at once: more of them push each other out of small tiers."""
     rng = np.random.default_rng(seed)
     next_id, lines, clock = 1, [], 0
     live = []
     for _ in range(sessions * turns):
-        if live and (len(live) >= 8 or rng.random() < 0.7):
+        if live and (len(live) >= max_live or rng.random() < 0.7):
             index = int(rng.integers(len(live)))
             ids, turn = live[index]
         else:
@@ -229,7 +231,7 @@ def test_requests_that_can_never_fit_are_refused_up_front():
 
 def test_audit_on_500_requests_with_small_tiers(trace_file, tmp_path):
     """Every step audited; at the end no block is USED or IN_FLIGHT on any tier."""
-    path = REAL_TRACE if REAL_TRACE.exists() else synthetic_trace(tmp_path / "long.jsonl", sessions=100)
+    path = REAL_TRACE if REAL_TRACE.exists() else synthetic_trace(tmp_path / "long.jsonl", sessions=100, max_live=32)
     out = tmp_path / "audit.json"
     _cli("simulate", "--trace", str(path), "--max-requests", "500", "--block-size", "16",
          "--max-input-tokens", "640", "--max-output-tokens", "32", "--device-cache-tokens", "2048",
