@@ -67,13 +67,15 @@ def run(command: list[str], log: Path, env: dict[str, str] | None = None, timeou
 
 
 def machine_facts() -> dict:
+    """`kvstrata.bench.report.machine()` plus what the tables explain figures with: ISA, memory, kernel."""
+    from kvstrata.bench.report import machine
+
     cpuinfo = Path("/proc/cpuinfo").read_text()
-    model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
     flags = next(line for line in cpuinfo.splitlines() if line.startswith("flags")).split()
     memory = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
-    return {"cpu": model, "cores": os.cpu_count(), "memory_gib": round(int(memory.split()[1]) / 1024**2, 1),
+    return {**machine(), "memory_gib": round(int(memory.split()[1]) / 1024**2, 1),
             "isa": [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile") if f in flags],
-            "kernel": os.uname().release, "python": sys.version.split()[0]}
+            "kernel": os.uname().release}
 
 
 # ---- offline ------------------------------------------------------------------------------------

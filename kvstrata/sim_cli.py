@@ -83,10 +83,7 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
                      help=f"run once per value of one capacity ({', '.join(CAPACITIES)})")
     out.add_argument("--validate", action="store_true",
                      help="replay a slice on the real engine and in the simulator; print relative errors")
-    out.add_argument("--threads", type=int, default=1, help="torch CPU threads of the real engine (--validate)")
-    out.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                     help="--validate: time the engine by its thread's CPU time (default: steady on a shared "
-                          "machine) or by wall time; calibrate the profile with the same clock")
+    add_engine_timing(out)
     parser.set_defaults(run=run_simulate)
 
 
@@ -223,18 +220,23 @@ class Progress:
 
 
 # ---- calibrate ----------------------------------------------------------------------------------
+def add_engine_timing(group: argparse._ActionsContainer) -> None:
+    """How the real engine is run and timed: `calibrate` and `simulate --validate` must agree on both."""
+    group.add_argument("--threads", type=int, default=1,
+                       help="torch CPU threads of the real engine (default 1: steady on a shared machine)")
+    group.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                       help="time engine steps by the engine thread's CPU time (default: neighbours on a shared "
+                            "machine do not count) or by wall time")
+
+
 def add_calibrate(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("calibrate", help="fit the simulator's cost model to the real engine on "
                                                    "this machine")
     parser.add_argument("--output", type=Path, default=DEFAULT_PROFILE, help="where to write the JSON profile")
     parser.add_argument("--machine", default=None, help="how to name this machine in the profile "
                                                         "(default: CPU model and core count)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: steady on a shared machine; use the same for --validate)")
+    add_engine_timing(parser)
     parser.add_argument("--repeat", type=int, default=3, help="runs of the grid; each step keeps its median time")
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                        help="time steps by the engine thread's CPU time (default: neighbours on a shared machine "
-                             "do not count) or by wall time")
     parser.set_defaults(run=run_calibrate)
 
 

@@ -129,7 +129,7 @@ def test_bench_offline(tmp_path, capsys):
     write_cases(prompts, make_cases([1, 3], input_len=20, output_len=5, repeats=2, seed=0))
     assert [len(c.repeats[1]) for c in read_cases(prompts)] == [1, 3]
     assert main(["bench", "offline", "--prompts", str(prompts), "--json", str(figures),
-                 "--kv-cache-memory", "64MiB", "--dtype", "float32"]) == 0
+                 "--kv-cache-memory", "64MiB", "--dtype", "float32", "--audit-every-step"]) == 0
     data = json.loads(figures.read_text())
     assert [c["num_prompts"] for c in data["cases"]] == [1, 3]
     for case in data["cases"]:

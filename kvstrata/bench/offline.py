@@ -18,6 +18,7 @@ from kvstrata.bench.workloads import TOKEN_HIGH, TOKEN_LOW
 from kvstrata.engine import LLMEngine
 from kvstrata.request import SamplingParams
 
+
 def make_cases(batch_sizes: list[int], input_len: int, output_len: int, repeats: int, seed: int) -> list[OfflineCase]:
     rng = np.random.default_rng([seed, 11])
     return [OfflineCase(f"batch {n}", output_len,
