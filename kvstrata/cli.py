@@ -112,10 +112,14 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvstrata.engine import AsyncLLMEngine, LLMEngine
+    from kvstrata.faults import ENV_VAR, FaultInjector
     from kvstrata.server import create_app
 
     server = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}).validate()
-    engine = LLMEngine(engine_config(args))
+    faults = FaultInjector.from_env()
+    if faults is not None:
+        logging.getLogger("kvstrata").warning("%s is set: injecting faults %s", ENV_VAR, faults.every)
+    engine = LLMEngine(engine_config(args), faults=faults)
     async_engine = AsyncLLMEngine(engine).start()
     name = server.served_model_name or engine.loaded.name
     app = create_app(async_engine, name, server.api_key, server.max_queue)

@@ -2,6 +2,10 @@
 
     step():  schedule -> run the model -> update the ledger -> turn tokens into outputs
 
+A step that raises (the model, the sampler, a bug) costs the requests of that step, never the
+engine: they end with finish reason "error", everything they held is released, and `audit()`
+proves it. Only an audit that fails after that recovery is fatal (`EngineDeadError`).
+
 `LLMEngine` is not thread-safe: `AsyncLLMEngine` gives it one thread of its own and funnels every
 add and abort through a command queue that thread drains between steps, so the scheduler, the
 pools and the tokenizer are only ever touched by that thread.
@@ -22,6 +26,7 @@ from typing import Any
 
 from kvstrata.config import EngineConfig
 from kvstrata.detokenizer import IncrementalDetokenizer
+from kvstrata.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.hashing import BlockHasher
 from kvstrata.kvcache.storage import open_store
 from kvstrata.kvcache.tiers import TierManager
@@ -31,6 +36,11 @@ from kvstrata.runner import ModelRunner, StepResult
 from kvstrata.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The books did not balance after recovering from a failed step: the engine cannot go on."""
+
 
 @dataclass(frozen=True)
 class ChatPrompt:
@@ -50,6 +60,7 @@ class EngineStats:
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     audit_failures: int = 0
+    step_failures: int = 0
     step_seconds: float = 0.0
 
 
@@ -63,15 +74,18 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 faults: FaultInjector | None = None):
         self.config = config.validate()
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, config.cache)
+        self.faults = faults
         cache = config.cache
         self.store = open_store(cache.store, cache.store_path, cache.store_capacity, cache.store_timeout)
+        mover = self.runner.buffers if faults is None else FaultyMover(self.runner.buffers, faults)
         self.tiers = TierManager(cache, self.runner.num_device_blocks, self.runner.num_host_blocks,
-                                 store=self.store, mover=self.runner.buffers)
+                                 store=self.store, mover=mover)
         self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids)
         self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)
         self.stats = EngineStats()
@@ -130,13 +144,40 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        output = self.scheduler.schedule()
-        if output.is_empty and self.tiers.has_transfers:
-            self.tiers.wait_for_transfers(timeout=0.005)    # only loads are running: do not spin
-        result = self.runner.execute(output)
-        finished = self.scheduler.update(output, result.token_ids)
-        outputs = self._outputs(output, result, finished)
+        output = None
+        try:
+            output = self.scheduler.schedule()
+            if output.is_empty:
+                self.tiers.wait_for_transfers(timeout=0.005)    # only transfers are running: do not spin
+            if self.faults is not None and not output.is_empty:
+                self.faults.check("execute")
+            result = self.runner.execute(output)
+            finished = self.scheduler.update(output, result.token_ids)
+            outputs = self._outputs(output, result, finished)
+        except Exception as exc:
+            return self._recover(exc, output)
         self._account(output, started)
+        return outputs
+
+    def _recover(self, exc: Exception, output: SchedulerOutput | None) -> list[RequestOutput]:
+        """End the failed step's requests with an error, release what they held, and prove it."""
+        self.stats.step_failures += 1
+        requests = [chunk.request for chunk in output.chunks] if output is not None else self.scheduler.in_step
+        logger.error("engine step failed; ending its %d requests with an error: %r", len(requests), exc,
+                     exc_info=exc)
+        outputs = []
+        for request in dict.fromkeys(requests):
+            if not request.is_finished:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ERROR)
+            tracked = self._tracked.get(request.request_id)
+            if tracked is not None:
+                outputs.append(self._output(tracked, []))
+        try:
+            self.scheduler.audit()
+        except AssertionError as audit_error:
+            self.stats.audit_failures += 1
+            logger.critical("audit failed after recovering from a failed step: %s", audit_error)
+            raise EngineDeadError(f"audit failed after a failed step ({exc!r}): {audit_error}") from audit_error
         return outputs
 
     def _outputs(self, output: SchedulerOutput, result: StepResult, finished: list[Request]) -> list[RequestOutput]:
@@ -298,8 +339,8 @@ class AsyncLLMEngine:
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-        except BaseException as exc:   # the engine is unusable: fail every caller, do not hang them
-            logger.exception("engine step failed; failing %d requests", len(self._streams))
+        except BaseException as exc:   # the engine is unusable (EngineDeadError): fail every caller, do not hang them
+            logger.critical("engine stopped; failing %d requests", len(self._streams), exc_info=exc)
             self.error = exc
             for loop, stream in self._streams.values():
                 _post(loop, stream.put_nowait, RuntimeError(f"engine failed: {exc!r}"))

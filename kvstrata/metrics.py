@@ -58,11 +58,15 @@ class EngineCollector(Collector):
         yield _by_label("kvstrata_load_failures", "Store loads that fell back to recompute, by reason", "reason",
                         stats.load_failures)
         yield _by_label("kvstrata_store_errors", "Store operations that failed, by kind", "kind", stats.store_errors)
+        yield _by_label("kvstrata_transfer_faults", "KV copies, encodes and decodes that raised (their blocks are "
+                        "recomputed), by operation", "operation", stats.faults)
         yield CounterMetricFamily("kvstrata_store_dropped_writes", "Store writes dropped (queue full)",
                                   value=stats.dropped_writes)
         yield CounterMetricFamily("kvstrata_store_load_seconds", "Seconds spent waiting for store loads",
                                   value=stats.load_seconds)
         yield CounterMetricFamily("kvstrata_audit_failures", "audit() failures", value=engine.stats.audit_failures)
+        yield CounterMetricFamily("kvstrata_step_failures", "Engine steps that raised (their requests ended with "
+                                  "an error, their blocks released)", value=engine.stats.step_failures)
         yield CounterMetricFamily("kvstrata_engine_steps", "Engine steps", value=engine.stats.steps)
 
 

@@ -31,6 +31,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13    # its step raised; everything it held was released
 
     @property
     def is_finished(self) -> bool:
@@ -39,7 +40,7 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 def _require(condition: bool, message: str) -> None:

@@ -74,6 +74,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._arrival_order: dict[str, int] = {}    # tie-break for equal arrival times
         self.num_preemptions = 0
+        self.in_step: list[Request] = []            # requests the last schedule() worked on (for recovery)
 
     # ---- intake ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -128,6 +129,8 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step's chunks. If this raises, `in_step` names the requests it was working on."""
+        self.in_step = []
         for request in self.tiers.poll_loads():
             self.loading.remove(request)
             request.status = RequestStatus.RUNNING
@@ -139,6 +142,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            self.in_step.append(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             while not self.tiers.grow(request, num_new):
@@ -167,9 +171,10 @@ class Scheduler:
             plan = self.tiers.plan(request, budget, whole=whole)
             if plan is None:
                 break
-            self.tiers.commit(plan)
+            self.in_step.append(request)
+            self.tiers.commit(plan)                 # all or nothing: on an exception the request still waits
             del self._waiting_key[request.request_id]
-            if plan.load_store:                     # computes once its loads land (poll_loads)
+            if self.tiers.is_loading(request.request_id):     # computes once its loads land (poll_loads)
                 request.status = RequestStatus.LOADING
                 self.loading.append(request)
                 continue
@@ -216,9 +221,10 @@ class Scheduler:
             if request.is_finished:        # aborted after it was scheduled
                 continue
             request.num_computed_tokens += chunk.num_tokens
-            self.tiers.cache_full_blocks(request)
             if chunk.sample:
                 request.append_output(sampled[request.request_id])
+            self.tiers.cache_full_blocks(request)   # after the ledger: its copies fail without raising
+            if chunk.sample:
                 status = self._stop_status(request)
                 if status is not None:
                     self._finish(request, status)

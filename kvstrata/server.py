@@ -154,6 +154,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                429: "rate_limit_error", 500: "internal_error", 503: "overloaded_error"}
 
 
+STEP_FAILED = ("the engine step computing this request failed; the request was ended and everything it held "
+               "was released (the server goes on serving): retry it")
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -305,6 +309,8 @@ async def _respond(state: ServerState, request: Request, body: _SamplingBody, pr
                 outputs.append(out)
     finally:
         tracker.done()
+    if outputs[-1].finish_reason == "error":
+        raise ApiError(500, STEP_FAILED, code="engine_step_failed")
     return _full_response(state, outputs, request_id, kind, chat, tracker.arrival_wall)
 
 
@@ -429,6 +435,9 @@ async def _sse(state: ServerState, tracker: _Tracker, first: RequestOutput, stre
                 tracker.seen(out)
                 last = out
                 yield event([choice(out)])
+        if last.finish_reason == "error":      # the openai client raises APIError on this event
+            error = {"message": STEP_FAILED, "type": ERROR_TYPES[500], "param": None, "code": "engine_step_failed"}
+            yield f"data: {json.dumps({'error': error})}\n\n"
         if include_usage:
             yield event([], _usage(last))
         yield "data: [DONE]\n\n"

@@ -15,6 +15,7 @@ import numpy as np
 import xxhash
 
 from kvstrata.config import CacheConfig, SchedulerConfig
+from kvstrata.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.block_pool import BlockState
 from kvstrata.kvcache.hashing import BlockHasher
 from kvstrata.kvcache.tiers import TierManager
@@ -164,30 +165,45 @@ class FakeStore:
 
 
 class ManualExecutor:
-    """Runs submitted store calls only when a test says so: in order, failed, or never (a hang)."""
+    """Runs submitted store calls only when a test says so: in order, failed, wrong, or never (a hang)."""
 
     def __init__(self):
         self.jobs: list[tuple] = []
+        self.hung: list[Future] = []          # futures that will never finish
 
     def submit(self, fn, *args):
         future = Future()
         self.jobs.append((fn, args, future))
         return future
 
-    def run_next(self, fault: str | None = None, corrupt: bool = False) -> bool:
-        if not self.jobs:
+    def run_next(self, fault: str | None = None, corrupt: bool = False, swap: bool = False,
+                 call: str | None = None) -> bool:
+        """Run the oldest call (of the store method named `call`, if given): raise `fault`, or flip a
+        byte of the first record (`corrupt`), or swap the first and last records, so a key gets another
+        key's record (`swap`). False if there was no such call."""
+        at = next((i for i, job in enumerate(self.jobs) if call in (None, job[0].__name__)), None)
+        if at is None:
             return False
-        fn, args, future = self.jobs.pop(0)
+        fn, args, future = self.jobs.pop(at)
         if fault is not None:
             future.set_exception(FakeStoreError(fault))
             return True
         result = fn(*args)
-        if corrupt and isinstance(result, list) and any(isinstance(r, bytes) for r in result):
-            at = next(i for i, r in enumerate(result) if isinstance(r, bytes))
-            flipped = bytearray(result[at])
+        records = [i for i, r in enumerate(result) if isinstance(r, bytes)] if isinstance(result, list) else []
+        if corrupt and records:
+            flipped = bytearray(result[records[0]])
             flipped[len(flipped) // 2] ^= 0xFF
-            result[at] = bytes(flipped)
+            result[records[0]] = bytes(flipped)
+        if swap and len(records) >= 2:
+            result[records[0]], result[records[-1]] = result[records[-1]], result[records[0]]
         future.set_result(result)
+        return True
+
+    def hang_next(self) -> bool:
+        """The oldest call never answers (its future stays pending for good)."""
+        if not self.jobs:
+            return False
+        self.hung.append(self.jobs.pop(0)[2])
         return True
 
     def run_all(self) -> None:
@@ -204,16 +220,22 @@ class FakeClock:
 
 
 def make_tiered_scheduler(num_blocks=16, num_host_blocks=8, block_size=4, store=True, write_policy="write_back",
-                          max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64, **cache):
-    """A scheduler over device + host + store tiers with fakes, and the fakes to drive them."""
+                          max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
+                          faults: FaultInjector | None = None, **cache):
+    """A scheduler over device + host + store tiers with fakes, and the fakes to drive them.
+
+    With `faults`, the mover's copies, encodes and decodes raise when the injector says so.
+    """
     cache_config = CacheConfig(block_size=block_size, num_device_blocks=num_blocks, num_host_blocks=num_host_blocks,
                                store="disk" if store else "none", write_policy=write_policy, store_timeout=1.0,
                                **cache)
     cache_config.validate()
     runner = FakeRunner(num_blocks, block_size)
     executor, clock, fake_store = ManualExecutor(), FakeClock(), FakeStore() if store else None
+    mover = FakeMover(runner, num_host_blocks)
     tiers = TierManager(cache_config, num_blocks, num_host_blocks, store=fake_store,
-                        mover=FakeMover(runner, num_host_blocks), executor=executor, clock=clock, probe_wait=0)
+                        mover=mover if faults is None else FaultyMover(mover, faults), executor=executor,
+                        clock=clock, probe_wait=0)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                           max_model_len=max_model_len), tiers, eos_token_ids=[EOS])
     return scheduler, runner, executor, clock, fake_store
@@ -230,14 +252,17 @@ def unchecked_plan(tiers: TierManager, request, max_new_tokens: int = 4096):
 
 
 def drain(scheduler: Scheduler, runner: FakeRunner, executor: ManualExecutor | None = None,
-          max_steps: int = 2000) -> None:
-    """Step (letting every store call answer) until nothing is left; then nothing may be held."""
+          max_steps: int = 2000, clock: FakeClock | None = None) -> None:
+    """Step (letting every store call answer, and time pass for calls that hang) until nothing is
+    left; then nothing may be held."""
     for _ in range(max_steps):
         if not scheduler.has_work:
             break
         step(scheduler, runner)
         if executor is not None:
             executor.run_all()
+        if clock is not None:
+            clock.now += 0.25
     assert not scheduler.has_work, "the scheduler stopped making progress"
     tiers = scheduler.tiers
     tiers.audit()

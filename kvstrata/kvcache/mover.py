@@ -29,7 +29,10 @@ class TierBuffers:
         src_ids = torch.tensor([s for s, _ in pairs], device=src.device)
         dst_ids = torch.tensor([d for _, d in pairs], device=dst.device)
         picked = _blocks_view(src).index_select(1, src_ids)              # (L*2*KVH, n, bs*D)
-        _blocks_view(dst).index_copy_(1, dst_ids, picked.to(dst.device, non_blocking=True))
+        moved = picked.to(dst.device, non_blocking=True)
+        if needs_sync_before_cpu_read(picked.device, moved.device):
+            _wait_for_stream(picked.device)
+        _blocks_view(dst).index_copy_(1, dst_ids, moved)
 
     def encode(self, tier: str, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bytes:
         return encode_record(self.spec, self.fingerprint, block_hash, token_ids,
@@ -41,6 +44,19 @@ class TierBuffers:
         if stored_tokens != list(token_ids):
             raise RecordError("tokens", "the record holds other tokens under this hash")
         self.caches[tier].write_block(block_id, payload)
+
+
+def needs_sync_before_cpu_read(src: torch.device, dst: torch.device) -> bool:
+    """A non-blocking copy from an accelerator into CPU memory may still be running when it returns:
+    the CPU must not read the staging tensor until the copy's stream has passed it."""
+    return src.type != "cpu" and dst.type == "cpu"
+
+
+def _wait_for_stream(device: torch.device) -> None:
+    """Wait for the work queued so far on `device`'s current stream (an event: not a device-wide sync)."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    done.synchronize()
 
 
 def _blocks_view(cache: PagedKVCache) -> torch.Tensor:

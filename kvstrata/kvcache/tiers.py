@@ -25,6 +25,17 @@ host and store as soon as it is full. Host hits are copied to device inside the 
 load on an executor while the request waits in LOADING, and a load that fails, times out or finds
 a bad record turns its blocks into ordinary new blocks whose tokens are recomputed.
 
+Faults (a copy, an encode or a store call that raises or never answers) cost recomputation, never a
+block. Each side effect is either inside a transaction or a compensated step:
+
+    commit()            pool changes + starting the store load: one transaction, undone on any exception
+    offload / write-through   host slots are taken, then copied into; a failed copy frees them again
+                        (the evicted KV is simply not kept), a failed encode or put writes nothing
+    host hits           copied after the transaction; a failed copy leaves the device blocks as ordinary
+                        blocks to recompute, and abandons a store load queued behind them
+    store calls         every lookup, load and write has a deadline; a write that fails or times out is
+                        forgotten as stored, so a later eviction writes the block again
+
 Only this class calls the pools; the scheduler sees block ids and counts, never blocks.
 """
 
@@ -42,11 +53,11 @@ from kvstrata.config import CacheConfig
 from kvstrata.kvcache.block_pool import Block, BlockPool, BlockState, EvictedBlock, PoolCounts
 from kvstrata.kvcache.hashing import BlockHash
 from kvstrata.kvcache.transfers import BlockMover, Executor, LoadTransfer
-from kvstrata.request import Request
+from kvstrata.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-MAX_PENDING_WRITES = 256        # store writes queued beyond this are dropped (the store is a cache)
+MAX_PENDING_WRITES = 256        # store writes queued (or abandoned and still running) beyond this are dropped
 REMEMBERED_STORED = 65536       # hashes known to be in the store, so they are not written twice
 
 
@@ -155,7 +166,9 @@ class CacheStats:
     loaded_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "store": 0})
     load_failures: dict[str, int] = field(default_factory=dict)      # by reason
     store_errors: dict[str, int] = field(default_factory=dict)       # by kind
+    faults: dict[str, int] = field(default_factory=dict)             # copies / encodes / decodes that raised
     dropped_writes: int = 0
+    orphaned_loads: int = 0            # loads whose request let go before they landed
     load_seconds: float = 0.0
 
     def count(self, table: dict[str, int], key: str, n: int = 1) -> None:
@@ -164,12 +177,25 @@ class CacheStats:
 
 @dataclass
 class _Probe:
-    """Which of a request's block hashes the store holds, once the lookup answers."""
+    """Which of a request's block hashes the store holds: the last answer, and a lookup out for a newer one.
+
+    Only a request's first lookup is waited for; later ones refresh the answer in the background
+    while plan() uses the last one (a record gone since is a load miss: its tokens are recomputed).
+    """
+
+    hits: list[bool] | None = None     # the last answer; None until one arrives
+    answered: int = -1                 # the step of the last answer (a failed or late lookup answers "none")
+    future: Future | None = None       # the lookup out now
+    deadline: float = 0.0
+
+
+@dataclass
+class _Write:
+    """A store put or delete running off the step loop. Past its deadline the engine stops waiting."""
 
     future: Future
+    hashes: list[BlockHash]            # the blocks a put writes: forgotten as stored if it fails
     deadline: float
-    step: int                          # the step count when the lookup was sent, then when it answered
-    hits: list[bool] | None = None
 
 
 class TierManager:
@@ -195,7 +221,8 @@ class TierManager:
         self._loading: dict[str, RequestBlocks] = {}      # the tables whose request waits on a load
         self._probes: dict[str, _Probe] = {}
         self._orphans: list[LoadTransfer] = []
-        self._writes: list[Future] = []
+        self._writes: list[_Write] = []
+        self._abandoned: list[Future] = []             # writes given up on that still occupy the executor
         self._stored: OrderedDict[BlockHash, None] = OrderedDict()
 
     # ---- queries (pure) -------------------------------------------------------------------------
@@ -248,38 +275,53 @@ class TierManager:
             self.reservation.on_step()
 
     def prepare(self, request: Request) -> bool:
-        """Make sure plan() sees a fresh answer from the store about this request's blocks.
+        """Make sure plan() sees an answer from the store about this request's blocks.
 
-        An answer older than one step is asked again (blocks reach the store all the time); the
-        lookup runs on the executor, waited for at most `probe_wait` seconds. False while it is out.
+        The first lookup runs on the executor, waited for at most `probe_wait` seconds: False while it
+        is out. An answer older than one step is refreshed in the background (blocks reach the store
+        all the time) and never waited for again; a lookup that failed or ran past `store_timeout`
+        answers "no hits", once, and is not asked again until the next step but one.
         """
         if self.store is None or not self.config.enable_prefix_caching:
             return True
         probe = self._probes.get(request.request_id)
-        if probe is None or (probe.hits is not None and probe.step < self._step - 1):
+        if probe is None or (probe.future is None and probe.answered < self._step - 1):
             limit = self._max_hit_blocks(request)
             local = len(self._match(self.device, request, 0, limit))
             local += len(self._match(self.host, request, local, limit))
             if local >= limit:
                 return True                               # nothing left for the store to supply
-            probe = _Probe(self.executor.submit(self.store.exists, request.block_hashes[:limit]),
-                           self.clock() + self.config.store_timeout, self._step)
-            self._probes[request.request_id] = probe
-            wait([probe.future], timeout=self.probe_wait)
-        if probe.hits is None:
-            if probe.future.done():
-                probe.step = self._step                   # the answer is as of now
-                try:
-                    probe.hits = list(probe.future.result())
-                except Exception as exc:                  # a failed lookup is no hit
-                    self._store_error(exc)
-                    probe.hits = []
-            elif self.clock() >= probe.deadline:
-                self.stats.count(self.stats.store_errors, "timeout")
+            probe = self._probes.setdefault(request.request_id, _Probe())
+            self._ask(probe, request.block_hashes[:limit])
+            if probe.hits is None and probe.future is not None:
+                wait([probe.future], timeout=self.probe_wait)
+        if probe.future is not None:
+            self._collect(probe)
+        return probe.hits is not None
+
+    def _ask(self, probe: _Probe, hashes: list[BlockHash]) -> None:
+        try:
+            probe.future = self.executor.submit(self.store.exists, hashes)
+        except Exception as exc:                          # the executor refused (shut down): no hits
+            self._store_error(exc)
+            probe.hits, probe.answered = [], self._step
+            return
+        probe.deadline = self.clock() + self.config.store_timeout
+
+    def _collect(self, probe: _Probe) -> None:
+        """Take the lookup's answer if it came; past its deadline, give up on it (one timeout)."""
+        if probe.future.done():
+            try:
+                probe.hits = list(probe.future.result())
+            except Exception as exc:                      # a failed lookup is no hit
+                self._store_error(exc)
                 probe.hits = []
-            else:
-                return False
-        return True
+        elif self.clock() >= probe.deadline:
+            self.stats.count(self.stats.store_errors, "timeout")
+            probe.hits = []
+        else:
+            return
+        probe.future, probe.answered = None, self._step
 
     def plan(self, request: Request, max_new_tokens: int, whole: bool = False) -> AdmissionPlan | None:
         """Plan admitting `request` with a chunk of at most `max_new_tokens`; None if it does not fit.
@@ -321,12 +363,14 @@ class TierManager:
     def commit(self, plan: AdmissionPlan) -> None:
         """Take every block of the plan as one transaction: on any exception, undo all and re-raise.
 
-        Then, outside the transaction (their failures only cost recomputation): offload what the
-        allocation evicted, copy host hits to device, and start the store loads.
+        Then come the compensated steps, which never raise (a failure costs recomputation only):
+        offload what the allocation evicted, and copy host hits to device.
         """
         request = plan.request
         if plan.epoch != self.device.epoch:
             raise RuntimeError(f"stale plan for {request.request_id}: the pool changed since it was made")
+        if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            raise RuntimeError(f"plan for {request.request_id}: the request is {request.status.name}, not waiting")
         if not self.fits(plan) or plan.num_new_tokens < 1:
             raise RuntimeError(f"plan for {request.request_id} does not fit or computes nothing; "
                                "plan() would have refused it")
@@ -350,23 +394,28 @@ class TierManager:
             table = plan.hit_blocks + host_targets + targets + new_blocks[len(plan.load_host):]
             first_admission = request.num_cached_tokens < 0
             load = self._admit_loads(plan, targets, first_admission)
-            self._tables[request.request_id] = RequestBlocks(request, table, len(plan.hit_blocks), load)
+            rb = RequestBlocks(request, table, len(plan.hit_blocks), load)
+            self._tables[request.request_id] = rb
             if load is not None:
-                self._loading[request.request_id] = self._tables[request.request_id]
+                self._loading[request.request_id] = rb
         except BaseException:
+            self._tables.pop(request.request_id, None)
+            self._loading.pop(request.request_id, None)
             for step in reversed(undo):
                 step()
             raise
         self._probes.pop(request.request_id, None)
         self._offload_evicted(evicted + evicted_for_targets)
-        self._copy_host_hits(plan, host_targets)
-        self._tables[request.request_id].num_registered += len(host_targets)
-        request.num_computed_tokens = (len(plan.hit_blocks) + len(plan.load_host)) * self.block_size
+        num_host_loaded = len(host_targets) if self._copy_host_hits(plan, host_targets) else 0
+        if num_host_loaded < len(host_targets) and rb.load is not None:
+            self._abandon_load(rb, "behind_failed_copy")  # its blocks follow blocks that are recomputed
+        rb.num_registered += num_host_loaded
+        request.num_computed_tokens = len(plan.hit_blocks) * self.block_size + num_host_loaded * self.block_size
         if first_admission:
             self.stats.prompt_tokens += request.num_prompt_tokens
             request.num_cached_tokens = 0
             self._count_hits(request, "device", len(plan.hit_blocks) * self.block_size)
-            self._count_hits(request, "host", len(plan.load_host) * self.block_size)
+            self._count_hits(request, "host", num_host_loaded * self.block_size)
 
     def _count_hits(self, request: Request, tier: str, num_tokens: int) -> None:
         """Credit prompt tokens served by `tier` (at the request's first admission only)."""
@@ -387,14 +436,45 @@ class TierManager:
         return LoadTransfer(request, targets, list(plan.load_store), tokens, future, started,
                             started + self.config.store_timeout, first_admission)
 
-    def _copy_host_hits(self, plan: AdmissionPlan, targets: list[Block]) -> None:
+    def _copy_host_hits(self, plan: AdmissionPlan, targets: list[Block]) -> bool:
+        """Copy host hits into their device blocks and index them there; whatever happens, unpin the
+        host blocks. False if the copy failed: the targets stay ordinary blocks, to be recomputed."""
         if not targets:
-            return
-        self.mover.copy("host", "device", [(src.block_id, dst.block_id) for src, dst in zip(plan.load_host, targets)])
+            return True
+        pairs = [(src.block_id, dst.block_id) for src, dst in zip(plan.load_host, targets)]
+        copied = self._copy("host", "device", pairs)
+        self.host.free(plan.load_host)                  # unpinned, and now most recently used
+        if not copied:
+            return False
         for src, dst in zip(plan.load_host, targets):
             self.device.register(dst, src.block_hash, src.token_ids)
-        self.host.free(plan.load_host)                  # unpinned, and now most recently used
         self.stats.count(self.stats.loaded_blocks, "host", len(targets))
+        return True
+
+    def _abandon_load(self, rb: RequestBlocks, reason: str) -> None:
+        """Give up on the request's store load now: its targets become ordinary blocks of the request.
+
+        The executor's answer, whenever it comes, is never looked at (records are written into
+        blocks only when a load settles, on this thread).
+        """
+        for target in rb.load.targets:
+            self.device.end_transfer(target, BlockState.USED)
+        rb.load = None
+        del self._loading[rb.request.request_id]
+        self.stats.count(self.stats.load_failures, reason)
+
+    def _copy(self, src_tier: str, dst_tier: str, pairs: list[tuple[int, int]]) -> bool:
+        """Copy blocks between tiers; False (the fault counted) if the copy raised."""
+        try:
+            self.mover.copy(src_tier, dst_tier, pairs)
+        except Exception as exc:
+            self._fault("copy", exc)
+            return False
+        return True
+
+    def _fault(self, operation: str, exc: Exception) -> None:
+        self.stats.count(self.stats.faults, operation)
+        logger.warning("%s failed; the blocks involved will be recomputed: %r", operation, exc)
 
     # ---- growth and release ---------------------------------------------------------------------
     def grow(self, request: Request, num_new_tokens: int) -> bool:
@@ -438,6 +518,7 @@ class TierManager:
         if rb.load is not None:
             rb.load.request = None
             self._orphans.append(rb.load)
+            self.stats.orphaned_loads += 1
             in_flight = {id(block) for block in rb.load.targets}
         self.device.free(block for block in reversed(rb.blocks) if id(block) not in in_flight)
 
@@ -457,7 +538,9 @@ class TierManager:
             return
         slots, host_evicted = self.host.allocate(len(todo))
         self._store_host_evictions(host_evicted)
-        self.mover.copy("device", "host", [(item.block_id, slot.block_id) for item, slot in zip(todo, slots)])
+        if not self._copy("device", "host", [(item.block_id, slot.block_id) for item, slot in zip(todo, slots)]):
+            self.host.free(slots)                       # unhashed: back to FREE; the evicted KV is not kept
+            return
         for item, slot in zip(todo, slots):
             self.host.register(slot, item.block_hash, item.token_ids)
         self.host.free(slots)
@@ -475,7 +558,9 @@ class TierManager:
             return
         (slot,), host_evicted = got
         self._store_host_evictions(host_evicted)
-        self.mover.copy("device", "host", [(block.block_id, slot.block_id)])
+        if not self._copy("device", "host", [(block.block_id, slot.block_id)]):
+            self.host.free([slot])
+            return
         self.host.register(slot, block.block_hash, block.token_ids)
         self.host.free([slot])
         self.stats.count(self.stats.offloaded_blocks, "host", 1)
@@ -489,28 +574,62 @@ class TierManager:
                 self._write_to_store("host", item.block_id, item.block_hash, item.token_ids)
 
     def _write_to_store(self, tier: str, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Snapshot the block's record now (its buffer may be reused next) and write it off the step loop."""
+        """Snapshot the block's record now (its buffer may be reused next) and write it off the step loop.
+
+        The hash counts as stored from now on, so it is not written twice; a write that fails or
+        runs past its deadline is forgotten, so a later eviction of the block writes it again.
+        """
         if self.store is None or block_hash in self._stored:
             return
-        self._writes = [w for w in self._writes if not self._settle_write(w)]
-        if len(self._writes) >= MAX_PENDING_WRITES:
+        self._settle_writes()
+        if len(self._writes) + len(self._abandoned) >= MAX_PENDING_WRITES:
             self.stats.dropped_writes += 1
             return
-        record = self.mover.encode(tier, block_id, block_hash, token_ids)
-        self._writes.append(self.executor.submit(self.store.put, [(block_hash, record)]))
+        try:
+            record = self.mover.encode(tier, block_id, block_hash, token_ids)
+        except Exception as exc:
+            self._fault("encode", exc)
+            return
+        if not self._submit_write(self.store.put, [(block_hash, record)], [block_hash]):
+            return
         self._stored[block_hash] = None
         if len(self._stored) > REMEMBERED_STORED:
             self._stored.popitem(last=False)
-        self.stats.count(self.stats.offloaded_blocks, "store")
 
-    def _settle_write(self, write: Future) -> bool:
-        if not write.done():
-            return False
+    def _submit_write(self, fn: Callable, argument: list, hashes: list[BlockHash]) -> bool:
         try:
-            write.result()
-        except Exception as exc:
+            future = self.executor.submit(fn, argument)
+        except Exception as exc:                          # the executor refused (shut down)
             self._store_error(exc)
+            return False
+        self._writes.append(_Write(future, hashes, self.clock() + self.config.store_timeout))
         return True
+
+    def _settle_writes(self) -> None:
+        self._writes = [w for w in self._writes if not self._settle_write(w)]
+        self._abandoned = [f for f in self._abandoned if not f.done()]
+
+    def _settle_write(self, write: _Write) -> bool:
+        """Account a finished (or overdue) write; False while it may still finish in time."""
+        if write.future.done():
+            try:
+                write.future.result()
+            except Exception as exc:
+                self._store_error(exc)
+                self._forget_stored(write.hashes)
+                return True
+            self.stats.count(self.stats.offloaded_blocks, "store", len(write.hashes))
+            return True
+        if self.clock() < write.deadline:
+            return False
+        self.stats.count(self.stats.store_errors, "timeout")
+        self._forget_stored(write.hashes)
+        self._abandoned.append(write.future)
+        return True
+
+    def _forget_stored(self, hashes: list[BlockHash]) -> None:
+        for block_hash in hashes:
+            self._stored.pop(block_hash, None)
 
     def _store_error(self, exc: Exception) -> None:
         kind = getattr(exc, "kind", type(exc).__name__)
@@ -529,13 +648,14 @@ class TierManager:
                 del self._loading[rb.request.request_id]
                 ready.append(rb.request)
         self._orphans = [load for load in self._orphans if self._settle(load) is None]
-        self._writes = [w for w in self._writes if not self._settle_write(w)]
+        self._settle_writes()
         return ready
 
     def wait_for_transfers(self, timeout: float) -> None:
         """Block until some transfer may have settled (the engine calls this when it has nothing else)."""
         pending = [rb.load.future for rb in self._loading.values()] + [t.future for t in self._orphans]
-        pending += self._writes
+        pending += [w.future for w in self._writes]
+        pending += [p.future for p in self._probes.values() if p.future is not None]
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
@@ -545,32 +665,37 @@ class TierManager:
         Returns how many leading blocks loaded: those are indexed, the rest become ordinary blocks
         whose tokens the request recomputes. An orphaned load's loaded blocks go to the cache.
         """
+        reason = None                                     # one reason per failed load
         if load.future.done():
             try:
                 records = load.future.result()
             except Exception as exc:
                 self._store_error(exc)
-                records = [None] * len(load.targets)
+                reason, records = "error", []
         elif self.clock() >= load.deadline:
-            self.stats.count(self.stats.load_failures, "timeout")
-            records = [None] * len(load.targets)
+            reason, records = "timeout", []
         else:
             return None
         loaded = 0
         for target, block_hash, tokens, record in zip(load.targets, load.hashes, load.token_ids, records):
             if record is None:
-                self.stats.count(self.stats.load_failures, "missing")
+                reason = "missing"
                 break
             try:
                 self.mover.decode_into("device", target.block_id, record, block_hash, tokens)
             except Exception as exc:
-                reason = getattr(exc, "reason", "invalid")
-                self.stats.count(self.stats.load_failures, reason)
+                reason = getattr(exc, "reason", None)
+                if reason is None:                        # not the record's fault: keep it
+                    self._fault("decode", exc)
+                    reason = "decode"
+                    break
                 logger.warning("dropping a bad store record (%s): %s", reason, exc)
-                self._writes.append(self.executor.submit(self.store.delete, [block_hash]))
+                self._submit_write(self.store.delete, [block_hash], [])
                 self._stored.pop(block_hash, None)
                 break
             loaded += 1
+        if loaded < len(load.targets):
+            self.stats.count(self.stats.load_failures, reason or "missing")
         for index, target in enumerate(load.targets):
             ok = index < loaded
             if load.orphaned:
