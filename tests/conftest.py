@@ -16,7 +16,7 @@ def make_engine(smollm2):
     """LLMEngine factory on the shared SmolLM2 weights; every step is audited."""
     from kvstrata.engine import LLMEngine
 
-    def build(**options):
+    def build(faults=None, **options):
         options.setdefault("kv_cache_memory", "64MiB")
-        return LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=smollm2)
+        return LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=smollm2, faults=faults)
     return build

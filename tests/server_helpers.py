@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from typing import IO
 
 import httpx
 import pytest
@@ -29,10 +30,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(loaded, api_key: str | None = None, max_queue: int = 256, **options):
+def running_server(loaded, api_key: str | None = None, max_queue: int = 256, faults=None, **options):
     """Yield (base_url, engine); on exit, stop the server and the engine thread."""
     options.setdefault("kv_cache_memory", "64MiB")
-    engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded)
+    engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded, faults=faults)
     async_engine = AsyncLLMEngine(engine).start()
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(async_engine, MODEL, api_key, max_queue),
@@ -54,16 +55,20 @@ def running_server(loaded, api_key: str | None = None, max_queue: int = 256, **o
         async_engine.shutdown()
 
 
-def start_server_process(*flags: str) -> tuple[subprocess.Popen, str]:
-    """`kvstrata serve` in a child process on a free port, once /health answers: (process, base url)."""
+def start_server_process(*flags: str, env: dict[str, str] | None = None,
+                         log: IO[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`kvstrata serve` in a child process on a free port, once /health answers: (process, base url).
+
+    Its output goes to a pipe, or to `log` (a file) for a server that logs more than a pipe holds.
+    """
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvstrata", "serve", "--port", str(port), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, proc.stdout.read() if log is None else "the server exited; see its log"
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 return proc, base
