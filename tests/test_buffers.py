@@ -57,3 +57,29 @@ def test_block_bytes_round_trip(dtype):
     assert torch.equal(dst.read_blocks([3]), src.read_blocks([1]))
     with pytest.raises(ValueError, match="bytes"):
         dst.write_block(0, raw[:-1])
+
+
+def test_tier_copies_move_blocks_both_ways_and_only_gpu_to_cpu_waits_for_the_stream():
+    from kvstrata.kvcache.mover import TierBuffers, needs_sync_before_cpu_read
+    device, host = filled(SPEC, 6, seed=1), filled(SPEC, 4, seed=2)
+    buffers = TierBuffers(device, host, "fp")
+    buffers.copy("device", "host", [(5, 0), (2, 3)])
+    assert torch.equal(host.read_blocks([0, 3]), device.read_blocks([5, 2]))
+    buffers.copy("host", "device", [(3, 1)])
+    assert torch.equal(device.read_blocks([1]), device.read_blocks([2]))
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert needs_sync_before_cpu_read(gpu, cpu)
+    assert not needs_sync_before_cpu_read(cpu, gpu) and not needs_sync_before_cpu_read(cpu, cpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_to_pinned_host_copies_are_complete_before_the_cpu_reads_them():
+    """A non-blocking device->host copy read without waiting could store stale KV with a valid checksum."""
+    from kvstrata.kvcache.mover import TierBuffers, host_cache
+    device = PagedKVCache(SPEC, 64, "cuda")
+    host = host_cache(device, 64)
+    buffers = TierBuffers(device, host, "fp")
+    for round_ in range(20):
+        device.data.normal_()
+        buffers.copy("device", "host", [(i, 63 - i) for i in range(64)])
+        assert torch.equal(host.read_blocks(list(range(63, -1, -1))), device.read_blocks(list(range(64))).cpu())
