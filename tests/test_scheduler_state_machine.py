@@ -3,21 +3,31 @@
 After every rule the scheduler's audit (queues, limits) and the pools' audit (conservation,
 refcounts against block tables, hash index) must pass, and the fake runner checks that every
 position a step attends to holds the right token. At teardown everything drains, and every
-block is FREE or CACHED with refcount 0.
+block is FREE or CACHED with refcount 0. Each run counts the states it reached (preemptions by the
+scheduler, resumes, prefix hits, chunked prefill, aborts of running requests) and fails on a zero.
 """
 
 import os
+from collections import Counter
 
 import pytest
 from fakes import FakeRunner, drain, make_request, make_scheduler, step
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from kvstrata.request import RequestStatus
 
 EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "2000"))
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
+HARD_STATES = ("preempted_by_scheduler", "resumed", "prefix_hit", "chunked_prefill", "abort_running")
+REACHED: Counter = Counter()       # what the runs of this module reached, by state
+
+
+def reach(state: str) -> None:
+    event(state)
+    REACHED[state] += 1
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -52,12 +62,23 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        step(self.scheduler, self.runner)
+        output = step(self.scheduler, self.runner)
+        if output.preempted:
+            reach("preempted_by_scheduler")
+        for chunk in output.chunks:
+            if chunk.request.num_preemptions:
+                reach("resumed")
+            if not chunk.sample:
+                reach("chunked_prefill")
+            if chunk.request.num_cached_tokens > 0:
+                reach("prefix_hit")
 
     @precondition(lambda self: self.scheduler.requests)
     @rule(data=st.data())
     def abort(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)))
+        if self.scheduler.requests[request_id].status is RequestStatus.RUNNING:
+            reach("abort_running")
         request = self.scheduler.finish(request_id)
         assert request.status is RequestStatus.FINISHED_ABORTED
 
@@ -82,15 +103,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             drain(self.scheduler, self.runner)
 
 
-TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None,
-                                         suppress_health_check=[HealthCheck.too_slow])
+def run_machine(examples: int, steps: int) -> Counter:
+    REACHED.clear()
+    run_state_machine_as_test(SchedulerMachine, settings=settings(
+        max_examples=examples, stateful_step_count=steps, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow]))
+    return Counter(REACHED)
+
+
+def test_scheduler_keeps_its_books_and_reaches_every_hard_state():
+    reached = run_machine(EXAMPLES, 25)
+    print("hard states reached (steps):", dict(sorted(reached.items())))
+    missing = [state for state in HARD_STATES if not reached[state]]
+    assert not missing, f"the state machine never reached {missing}: {dict(reached)}"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_scheduler_machine_long_run():
-    from hypothesis.stateful import run_state_machine_as_test
-    run_state_machine_as_test(SchedulerMachine, settings=settings(
-        max_examples=10 * EXAMPLES, stateful_step_count=50, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow]))
+    reached = run_machine(10 * EXAMPLES, 50)
+    assert all(reached[state] for state in HARD_STATES), reached
