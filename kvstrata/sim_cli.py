@@ -76,8 +76,7 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", choices=list(MODELS), default="llama3-8b", help="model size for --hardware")
     out = parser.add_argument_group("output")
     out.add_argument("--audit", action="store_true", help="audit every engine after every simulated step")
-    out.add_argument("--output-json", type=Path, default=None, help="write the figures here (required "
-                                                                    "unless --validate)")
+    out.add_argument("--output-json", type=Path, default=None, help="also write the figures here, as JSON")
     out.add_argument("--plot", type=Path, default=None, help="write PNG plots into this folder")
     out.add_argument("--sweep", default=None, metavar="PARAM=A,B,C",
                      help=f"run once per value of one capacity ({', '.join(CAPACITIES)})")
@@ -112,8 +111,6 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
 def run_simulate(args: argparse.Namespace) -> int:
     if args.validate:
         return run_validation(args)
-    if args.output_json is None:
-        raise ValueError("--output-json is required")
     trace = read_mooncake(args.trace, args.max_requests, args.skip, args.time_scale or 1.0, args.max_input_tokens,
                           args.max_output_tokens)
     cost = cost_model(args)
@@ -128,8 +125,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                    for value in values]
         report = {"sweep": {"parameter": name, "values": values}, "ideal_hit_rate": results[0][1].ideal_hit_rate,
                   "profile": cost.source, "runs": [r.to_json() for _, r in results]}
-    args.output_json.parent.mkdir(parents=True, exist_ok=True)
-    args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output_json, report)
     labels = [""] if args.sweep is None else [f"{name}={'inf' if v is None else f'{v:,}'}" for v, _ in results]
     for label, (_, result) in zip(labels, results):
         print(headline(result.to_json(), f"{label}: " if label else ""))
@@ -165,10 +161,14 @@ def run_validation(args: argparse.Namespace) -> int:
     for name, row in report["figures"].items():
         error = "n/a" if row["relative_error"] is None else f"{row['relative_error']:+.1%}"
         print(f"{name:20}{row['engine']:12.4f}{row['simulator']:12.4f}{error:>10}")
-    if args.output_json is not None:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output_json, report)
     return 0
+
+
+def write_json(path: Path | None, report: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def parse_sweep(text: str) -> tuple[str, list[int | None]]:
