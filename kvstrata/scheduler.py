@@ -163,6 +163,7 @@ class Scheduler:
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         whole = not self.config.enable_chunked_prefill
+        deferred: list[Request] = []
         for request in self._admission_order():
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
@@ -170,7 +171,11 @@ class Scheduler:
                 break                               # its store lookup has not answered yet
             plan = self.tiers.plan(request, budget, whole=whole)
             if plan is None:
-                break
+                if not self.tiers.waits_for_computing(request):
+                    break                           # head of line: refused for space, not overtaken
+                deferred.append(request)            # it will hit blocks being computed now: others pass
+                del self._waiting_key[request.request_id]
+                continue
             self.in_step.append(request)
             self.tiers.commit(plan)                 # all or nothing: on an exception the request still waits
             del self._waiting_key[request.request_id]
@@ -182,6 +187,8 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, plan.num_new_tokens))
             budget -= plan.num_new_tokens
+        for request in deferred:
+            self._enqueue(request)
         return budget
 
     def _admission_order(self) -> Iterable[Request]:

@@ -192,3 +192,39 @@ def test_prefix_caching_hits_and_free_count_returns_to_start():
     assert sum(r.num_cached_tokens for r in requests) > 0
     counts = s.tiers.audit()["device"]
     assert counts.used == 0 and counts.in_flight == 0 and counts.free + counts.cached == 64
+
+
+def test_a_shared_prefix_being_computed_is_waited_for_not_computed_twice():
+    """Two requests with one long shared prefix arriving one step apart: the second waits for the
+    first's prefill chunks and hits them, so the prefix is computed once; an unrelated request
+    behind it is not held up meanwhile."""
+    prefix = list(range(1, 41))                           # 10 blocks of 4
+    s = make_scheduler(num_blocks=48, max_num_batched_tokens=24, max_model_len=64)
+    r = runner_for(s)
+    first, second = make_request("a", prefix + [91], max_tokens=2), make_request("b", prefix + [92], max_tokens=2)
+    other = make_request("c", [7, 7, 7], max_tokens=2)
+    s.add_request(first)
+    computed = [c.num_tokens for c in step(s, r).chunks]
+    s.add_request(second)
+    s.add_request(other)
+    out = s.schedule()                                    # a's second chunk is computing blocks b needs
+    assert [c.request.request_id for c in out.chunks] == ["a", "c"] and s.tiers.waits_for_computing(second)
+    s.update(out, r.execute(out))
+    s.audit()
+    computed += [c.num_tokens for c in out.chunks if c.request is not other]
+    while s.has_unfinished:
+        computed += [c.num_tokens for c in step(s, r).chunks if c.request is not other]
+    assert second.num_cached_tokens == 40                 # every prefix block was a hit
+    prompt_computed = sum(computed) - 2 * 2 + 2           # minus decode tokens (one each after the first)
+    assert prompt_computed == len(first.prompt_token_ids) + 1, computed
+    assert first.output_token_ids and second.output_token_ids
+
+
+def test_without_prefix_caching_nothing_waits_for_blocks_being_computed():
+    prefix = list(range(1, 41))
+    s = make_scheduler(num_blocks=48, max_num_batched_tokens=24, max_model_len=64, prefix_caching=False)
+    r = runner_for(s)
+    s.add_request(make_request("a", prefix + [91], max_tokens=2))
+    step(s, r)
+    s.add_request(make_request("b", prefix + [92], max_tokens=2))
+    assert "b" in [c.request.request_id for c in step(s, r).chunks]

@@ -19,6 +19,11 @@ The rule (DESIGN.md §5), with every term counted before anything is taken:
 A plan records the pool epoch it was computed at; `commit` refuses a stale plan. Running requests
 grow with `grow()`, all or nothing and with no reserve: when it fails, the scheduler preempts.
 
+One prefix is computed once: the full blocks a request holds but has not yet indexed (it is
+computing or loading them) are announced by hash; a waiting request whose next uncached block is
+announced is not admitted until that block is indexed, and then hits it instead of computing it
+a second time.
+
 Moving KV (DESIGN.md §3.9): a device block evicted while CACHED is copied to the host tier
 (write-back); a host block evicted is written to the store. With write-through, a block goes to
 host and store as soon as it is full. Host hits are copied to device inside the step; store hits
@@ -138,7 +143,8 @@ class RequestBlocks:
     """A request's device block table, how many of its blocks are indexed, and its pending load.
 
     `block_ids` mirrors `blocks` as plain ints, kept in step, so handing the table to the runner
-    every step costs nothing.
+    every step costs nothing. Blocks [num_registered, num_announced) are full blocks of known
+    tokens that the request is computing or loading: their hashes are in `TierManager._computing`.
     """
 
     request: Request
@@ -146,9 +152,11 @@ class RequestBlocks:
     num_registered: int = 0
     load: LoadTransfer | None = None
     block_ids: list[int] = field(init=False)
+    num_announced: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.block_ids = [block.block_id for block in self.blocks]
+        self.num_announced = self.num_registered
 
     def extend(self, blocks: list[Block]) -> None:
         self.blocks.extend(blocks)
@@ -179,12 +187,13 @@ class CacheStats:
 class _Probe:
     """Which of a request's block hashes the store holds: the last answer, and a lookup out for a newer one.
 
-    Only a request's first lookup is waited for; later ones refresh the answer in the background
-    while plan() uses the last one (a record gone since is a load miss: its tokens are recomputed).
+    After a lookup failed or timed out, the next one runs in the background while plan() uses the
+    last answer: a store that hangs costs one `store_timeout` per request, not one per step.
     """
 
     hits: list[bool] | None = None     # the last answer; None until one arrives
     answered: int = -1                 # the step of the last answer (a failed or late lookup answers "none")
+    failed: bool = False               # the last lookup failed or timed out
     future: Future | None = None       # the lookup out now
     deadline: float = 0.0
 
@@ -224,6 +233,7 @@ class TierManager:
         self._writes: list[_Write] = []
         self._abandoned: list[Future] = []             # writes given up on that still occupy the executor
         self._stored: OrderedDict[BlockHash, None] = OrderedDict()
+        self._computing: dict[BlockHash, int] = {}      # announced block hashes -> how many requests
 
     # ---- queries (pure) -------------------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
@@ -277,10 +287,10 @@ class TierManager:
     def prepare(self, request: Request) -> bool:
         """Make sure plan() sees an answer from the store about this request's blocks.
 
-        The first lookup runs on the executor, waited for at most `probe_wait` seconds: False while it
-        is out. An answer older than one step is refreshed in the background (blocks reach the store
-        all the time) and never waited for again; a lookup that failed or ran past `store_timeout`
-        answers "no hits", once, and is not asked again until the next step but one.
+        A lookup runs on the executor, waited for at most `probe_wait` seconds here: False while it is
+        out. An answer older than one step is asked again (blocks reach the store all the time). A
+        lookup that failed or ran past `store_timeout` answers "no hits", once, is not asked again
+        until the next step but one, and the lookup after it is not waited for.
         """
         if self.store is None or not self.config.enable_prefix_caching:
             return True
@@ -293,18 +303,18 @@ class TierManager:
                 return True                               # nothing left for the store to supply
             probe = self._probes.setdefault(request.request_id, _Probe())
             self._ask(probe, request.block_hashes[:limit])
-            if probe.hits is None and probe.future is not None:
+            if probe.future is not None and not probe.failed:
                 wait([probe.future], timeout=self.probe_wait)
         if probe.future is not None:
             self._collect(probe)
-        return probe.hits is not None
+        return probe.hits is not None and (probe.future is None or probe.failed)
 
     def _ask(self, probe: _Probe, hashes: list[BlockHash]) -> None:
         try:
             probe.future = self.executor.submit(self.store.exists, hashes)
         except Exception as exc:                          # the executor refused (shut down): no hits
             self._store_error(exc)
-            probe.hits, probe.answered = [], self._step
+            probe.hits, probe.answered, probe.failed = [], self._step, True
             return
         probe.deadline = self.clock() + self.config.store_timeout
 
@@ -312,13 +322,13 @@ class TierManager:
         """Take the lookup's answer if it came; past its deadline, give up on it (one timeout)."""
         if probe.future.done():
             try:
-                probe.hits = list(probe.future.result())
+                probe.hits, probe.failed = list(probe.future.result()), False
             except Exception as exc:                      # a failed lookup is no hit
                 self._store_error(exc)
-                probe.hits = []
+                probe.hits, probe.failed = [], True
         elif self.clock() >= probe.deadline:
             self.stats.count(self.stats.store_errors, "timeout")
-            probe.hits = []
+            probe.hits, probe.failed = [], True
         else:
             return
         probe.future, probe.answered = None, self._step
@@ -329,11 +339,12 @@ class TierManager:
         With `whole`, the chunk must reach the end of the request (no chunked prefill). Pure.
         """
         assert request.request_id not in self._tables, f"{request.request_id} already holds blocks"
-        size, limit = self.block_size, self._max_hit_blocks(request)
-        hits = self._match(self.device, request, 0, limit)
-        host = self._match(self.host, request, len(hits), limit)
-        store = self._store_hits(request, len(hits) + len(host), limit)
-        num_hit_tokens = (len(hits) + len(host) + len(store)) * size
+        size = self.block_size
+        hits, host, store = self._hits(request)
+        num_hits = len(hits) + len(host) + len(store)
+        if self._computing_block(request, num_hits):
+            return None                                   # another request is computing it: wait, then hit
+        num_hit_tokens = num_hits * size
         num_new_tokens = min(request.num_tokens - num_hit_tokens, max_new_tokens)
         if num_new_tokens <= 0 or (whole and num_hit_tokens + num_new_tokens < request.num_tokens):
             return None
@@ -346,6 +357,23 @@ class TierManager:
             num_new_blocks=num_blocks - len(hits) - len(host) - len(store),
             num_new_tokens=num_new_tokens, reserve=self.reserve_for_running() + own_future)
         return plan if self.fits(plan) else None
+
+    def _hits(self, request: Request) -> tuple[list[Block], list[Block], list[BlockHash]]:
+        """The request's prefix hit, tier by tier: device blocks, then host blocks, then store hashes."""
+        limit = self._max_hit_blocks(request)
+        hits = self._match(self.device, request, 0, limit)
+        host = self._match(self.host, request, len(hits), limit)
+        return hits, host, self._store_hits(request, len(hits) + len(host), limit)
+
+    def _computing_block(self, request: Request, index: int) -> bool:
+        return index < self._max_hit_blocks(request) and request.block_hashes[index] in self._computing
+
+    def waits_for_computing(self, request: Request) -> bool:
+        """Whether the request's next uncached block is one another request is computing (pure).
+
+        plan() refuses such a request; the scheduler lets others pass it meanwhile.
+        """
+        return self._computing_block(request, sum(map(len, self._hits(request))))
 
     def _store_hits(self, request: Request, start: int, stop: int) -> list[BlockHash]:
         probe = self._probes.get(request.request_id)
@@ -409,7 +437,8 @@ class TierManager:
         num_host_loaded = len(host_targets) if self._copy_host_hits(plan, host_targets) else 0
         if num_host_loaded < len(host_targets) and rb.load is not None:
             self._abandon_load(rb, "behind_failed_copy")  # its blocks follow blocks that are recomputed
-        rb.num_registered += num_host_loaded
+        self._set_registered(rb, rb.num_registered + num_host_loaded)
+        self._announce(rb)
         request.num_computed_tokens = len(plan.hit_blocks) * self.block_size + num_host_loaded * self.block_size
         if first_admission:
             self.stats.prompt_tokens += request.num_prompt_tokens
@@ -488,15 +517,39 @@ class TierManager:
             return False
         new_blocks, evicted = got
         rb.extend(new_blocks)
+        self._announce(rb)
         self._offload_evicted(evicted)
         return True
+
+    def _announce(self, rb: RequestBlocks) -> None:
+        """Announce rb's full blocks of known tokens past those announced: it is computing them."""
+        stop = min(len(rb.blocks), len(rb.request.block_hashes)) if self.config.enable_prefix_caching else 0
+        for index in range(rb.num_announced, stop):
+            block_hash = rb.request.block_hashes[index]
+            self._computing[block_hash] = self._computing.get(block_hash, 0) + 1
+        rb.num_announced = max(rb.num_announced, stop)
+
+    def _set_registered(self, rb: RequestBlocks, num_registered: int) -> None:
+        """Blocks up to `num_registered` are indexed now (or never will be): withdraw their announcements."""
+        self._withdraw(rb, rb.num_registered, min(num_registered, rb.num_announced))
+        rb.num_registered = num_registered
+        rb.num_announced = max(rb.num_announced, num_registered)
+
+    def _withdraw(self, rb: RequestBlocks, start: int, stop: int) -> None:
+        for index in range(start, stop):
+            block_hash = rb.request.block_hashes[index]
+            left = self._computing[block_hash] - 1
+            if left:
+                self._computing[block_hash] = left
+            else:
+                del self._computing[block_hash]
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks whose every token now has KV, so others can hit them."""
         rb = self._tables[request.request_id]
         num_full = request.num_computed_tokens // self.block_size
         if not self.config.enable_prefix_caching:
-            rb.num_registered = num_full
+            self._set_registered(rb, num_full)
             return
         size = self.block_size
         for index in range(rb.num_registered, num_full):
@@ -505,7 +558,7 @@ class TierManager:
             if self.device.register(block, request.block_hashes[index], tokens) and \
                     self.config.write_policy == "write_through":
                 self._write_through(block)
-        rb.num_registered = max(rb.num_registered, num_full)
+        self._set_registered(rb, max(rb.num_registered, num_full))
 
     def release(self, request: Request) -> None:
         """Return every block the request holds, tail first; a pending load is left to settle on its own."""
@@ -514,6 +567,7 @@ class TierManager:
         if rb is None:
             return
         self._loading.pop(request.request_id, None)
+        self._withdraw(rb, rb.num_registered, rb.num_announced)
         in_flight = set()
         if rb.load is not None:
             rb.load.request = None
@@ -644,7 +698,7 @@ class TierManager:
             loaded = self._settle(rb.load)
             if loaded is not None:
                 rb.load = None
-                rb.num_registered += loaded
+                self._set_registered(rb, rb.num_registered + loaded)
                 del self._loading[rb.request.request_id]
                 ready.append(rb.request)
         self._orphans = [load for load in self._orphans if self._settle(load) is None]
@@ -723,8 +777,12 @@ class TierManager:
         """Check every pool against the block tables and transfer records; raise AuditError naming blocks."""
         holders: dict[int, int] = {}
         in_flight: list[int] = []
+        announced: dict[BlockHash, int] = {}
         for rb in self._tables.values():
             assert not rb.request.is_finished, f"finished request {rb.request.request_id} still holds blocks"
+            assert rb.num_registered <= rb.num_announced <= len(rb.blocks), f"{rb.request.request_id} announcements"
+            for block_hash in rb.request.block_hashes[rb.num_registered:rb.num_announced]:
+                announced[block_hash] = announced.get(block_hash, 0) + 1
             loading = {id(b) for b in rb.load.targets} if rb.load else set()
             assert rb.load is None or rb.load.request is rb.request, "a load record lost its request"
             for block in rb.blocks:
@@ -737,6 +795,7 @@ class TierManager:
             in_flight.extend(block.block_id for block in load.targets)
         assert len(in_flight) == len(set(in_flight)), "a block is the target of two loads"
         assert {rid for rid, rb in self._tables.items() if rb.load} == set(self._loading), "loading index is stale"
+        assert announced == self._computing, "announced block hashes disagree with the block tables"
         counts = {"device": self.device.audit(holders, in_flight)}
         if self.host is not None:
             counts["host"] = self.host.audit({})
