@@ -62,6 +62,8 @@ class EngineStats:
     audit_failures: int = 0
     step_failures: int = 0
     step_seconds: float = 0.0
+    schedule_seconds: float = 0.0      # of step_seconds: scheduling and admission
+    model_seconds: float = 0.0         # of step_seconds: the model and the sampler
 
 
 @dataclass
@@ -147,11 +149,14 @@ class LLMEngine:
         output = None
         try:
             output = self.scheduler.schedule()
+            scheduled = time.perf_counter()
             if output.is_empty:
                 self.tiers.wait_for_transfers(timeout=0.005)    # only transfers are running: do not spin
             if self.faults is not None and not output.is_empty:
                 self.faults.check("execute")
             result = self.runner.execute(output)
+            self.stats.schedule_seconds += scheduled - started
+            self.stats.model_seconds += time.perf_counter() - scheduled
             finished = self.scheduler.update(output, result.token_ids)
             outputs = self._outputs(output, result, finished)
         except Exception as exc:
