@@ -175,3 +175,24 @@ def test_in_flight_blocks_are_never_handed_to_the_runner_as_computed():
     assert any(b.state is BlockState.IN_FLIGHT for b in scheduler.tiers.device.blocks)
     scheduler.update(output, runner.execute(output))
     drive(scheduler, runner, executor, [])
+
+
+def test_blocks_this_engine_wrote_since_the_lookup_count_as_store_hits():
+    """The lookup answered before the writes landed: the engine still knows it wrote those blocks,
+    so the request loads them (the load runs behind the writes) instead of recomputing them."""
+    scheduler, runner, executor, _, store = make_tiered_scheduler(num_blocks=8, num_host_blocks=0)
+    drive(scheduler, runner, executor, [make_request("a", PREFIX + [99], max_tokens=2)])
+    for i in range(4):                                    # fillers push a's blocks out; writes stay queued
+        scheduler.add_request(make_request(f"fill{i}", [40 + i] * 15, max_tokens=1))
+    while scheduler.requests:
+        step(scheduler, runner)
+        while executor.run_next(call="exists"):
+            pass
+    again = make_request("b", PREFIX + [98], max_tokens=5)
+    scheduler.add_request(again)
+    assert executor.run_next(call="exists") and not store.records    # "nothing there yet"
+    assert len(unchecked_plan(scheduler.tiers, again).load_store) == 4
+    step(scheduler, runner)
+    assert again.status is RequestStatus.LOADING
+    drive(scheduler, runner, executor, [])
+    assert again.num_cached_tokens == 16 and again.output_token_ids == reference_outputs([PREFIX + [98]])["ref0"]

@@ -376,13 +376,19 @@ class TierManager:
         return self._computing_block(request, sum(map(len, self._hits(request))))
 
     def _store_hits(self, request: Request, start: int, stop: int) -> list[BlockHash]:
+        """Blocks the store holds: by the last lookup's answer, or because this engine has written them
+        since (or is writing them: a load queued behind the write finds the record, or misses and
+        recomputes)."""
+        if self.store is None:
+            return []
         probe = self._probes.get(request.request_id)
         found = probe.hits if probe is not None and probe.hits else []
         hashes = []
-        for index in range(start, min(stop, len(found))):
-            if not found[index]:
+        for index in range(start, stop):
+            block_hash = request.block_hashes[index]
+            if not ((index < len(found) and found[index]) or block_hash in self._stored):
                 break
-            hashes.append(request.block_hashes[index])
+            hashes.append(block_hash)
         return hashes
 
     def fits(self, plan: AdmissionPlan) -> bool:
