@@ -196,3 +196,17 @@ def test_blocks_this_engine_wrote_since_the_lookup_count_as_store_hits():
     assert again.status is RequestStatus.LOADING
     drive(scheduler, runner, executor, [])
     assert again.num_cached_tokens == 16 and again.output_token_ids == reference_outputs([PREFIX + [98]])["ref0"]
+
+
+def test_a_lookup_after_the_write_landed_is_trusted_when_the_store_lost_the_record():
+    """The store swept the records (its own capacity) after they landed: the lookup, sent later,
+    says so, and the engine does not plan loads that would only miss."""
+    scheduler, runner, executor, _, store = make_tiered_scheduler(num_blocks=8, num_host_blocks=0)
+    drive(scheduler, runner, executor, [make_request("a", PREFIX + [99], max_tokens=2)])
+    evict_everything(scheduler, runner, executor, "fill")
+    again = make_request("b", PREFIX + [98], max_tokens=5)
+    assert all(h in store.records for h in again.block_hashes[:4])
+    store.records.clear()
+    scheduler.add_request(again)
+    executor.run_all()
+    assert scheduler.tiers.prepare(again) and not unchecked_plan(scheduler.tiers, again).load_store

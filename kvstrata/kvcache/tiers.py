@@ -193,8 +193,10 @@ class _Probe:
 
     hits: list[bool] | None = None     # the last answer; None until one arrives
     answered: int = -1                 # the step of the last answer (a failed or late lookup answers "none")
+    landed: int = -1                   # writes landed when the lookup of `hits` was sent
     failed: bool = False               # the last lookup failed or timed out
     future: Future | None = None       # the lookup out now
+    asked_landed: int = -1             # writes landed when `future` was sent
     deadline: float = 0.0
 
 
@@ -232,7 +234,9 @@ class TierManager:
         self._orphans: list[LoadTransfer] = []
         self._writes: list[_Write] = []
         self._abandoned: list[Future] = []             # writes given up on that still occupy the executor
-        self._stored: OrderedDict[BlockHash, None] = OrderedDict()
+        # Hashes this engine wrote to the store -> the order their write landed in (inf while pending).
+        self._stored: OrderedDict[BlockHash, float] = OrderedDict()
+        self._num_landed = 0
         self._computing: dict[BlockHash, int] = {}      # announced block hashes -> how many requests
 
     # ---- queries (pure) -------------------------------------------------------------------------
@@ -312,6 +316,7 @@ class TierManager:
     def _ask(self, probe: _Probe, hashes: list[BlockHash]) -> None:
         try:
             probe.future = self.executor.submit(self.store.exists, hashes)
+            probe.asked_landed = self._num_landed
         except Exception as exc:                          # the executor refused (shut down): no hits
             self._store_error(exc)
             probe.hits, probe.answered, probe.failed = [], self._step, True
@@ -323,6 +328,7 @@ class TierManager:
         if probe.future.done():
             try:
                 probe.hits, probe.failed = list(probe.future.result()), False
+                probe.landed = probe.asked_landed
             except Exception as exc:                      # a failed lookup is no hit
                 self._store_error(exc)
                 probe.hits, probe.failed = [], True
@@ -376,17 +382,18 @@ class TierManager:
         return self._computing_block(request, sum(map(len, self._hits(request))))
 
     def _store_hits(self, request: Request, start: int, stop: int) -> list[BlockHash]:
-        """Blocks the store holds: by the last lookup's answer, or because this engine has written them
-        since (or is writing them: a load queued behind the write finds the record, or misses and
-        recomputes)."""
+        """Blocks the store holds: by the last lookup's answer, or because a write of this engine landed
+        after that lookup was sent, or is still running (a load queued behind it finds the record, or
+        misses and recomputes). A write that landed before the lookup is what the lookup saw."""
         if self.store is None:
             return []
         probe = self._probes.get(request.request_id)
         found = probe.hits if probe is not None and probe.hits else []
+        since = probe.landed if probe is not None else -1
         hashes = []
         for index in range(start, stop):
             block_hash = request.block_hashes[index]
-            if not ((index < len(found) and found[index]) or block_hash in self._stored):
+            if not ((index < len(found) and found[index]) or self._stored.get(block_hash, -1) > since):
                 break
             hashes.append(block_hash)
         return hashes
@@ -652,7 +659,7 @@ class TierManager:
             return
         if not self._submit_write(self.store.put, [(block_hash, record)], [block_hash]):
             return
-        self._stored[block_hash] = None
+        self._stored[block_hash] = math.inf
         if len(self._stored) > REMEMBERED_STORED:
             self._stored.popitem(last=False)
 
@@ -679,6 +686,10 @@ class TierManager:
                 self._forget_stored(write.hashes)
                 return True
             self.stats.count(self.stats.offloaded_blocks, "store", len(write.hashes))
+            for block_hash in write.hashes:
+                if block_hash in self._stored:
+                    self._num_landed += 1
+                    self._stored[block_hash] = self._num_landed
             return True
         if self.clock() < write.deadline:
             return False
