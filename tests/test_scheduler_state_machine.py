@@ -60,6 +60,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         except ValueError:
             assert request.request_id not in self.scheduler.requests   # refused requests leave no trace
 
+    @rule(prefixes=st.lists(st.sampled_from(PREFIXES), min_size=3, max_size=5), steps=st.integers(1, 4))
+    def a_crowd_arrives_and_runs(self, prefixes, steps):
+        """Several long requests at once: the pool runs short as they grow, and the scheduler preempts."""
+        for prefix in prefixes:
+            self.add_request(prefix, [self.next_id % 10], len(prefix), 8, 0)
+        for _ in range(steps):
+            self.step()
+
     @rule()
     def step(self):
         output = step(self.scheduler, self.runner)

@@ -71,15 +71,22 @@ def tiered_machine(reached: Counter) -> type[RuleBasedStateMachine]:
                 self.clock.now += 0.25
 
         @rule(prefix=st.sampled_from(PREFIXES), max_tokens=st.integers(1, 6),
-              load=st.sampled_from(["later", "ok", "corrupt", "swap", "io"]))
-        def a_returning_prefix_is_admitted(self, prefix, max_tokens, load):
+              load=st.sampled_from(["later", "ok", "corrupt", "swap", "io"]),
+              meanwhile=st.sampled_from([None, None, "abort", "preempt"]))
+        def a_returning_prefix_is_admitted(self, prefix, max_tokens, load, meanwhile):
             """A prefix served before comes back, the store answers its lookup, and a step admits it
-            (from the store, if its blocks went that far down: it is LOADING then, and its load answers
-            now as `load` says, or later)."""
+            (from the store, if its blocks went that far down: it is LOADING then, may let go of its
+            load `meanwhile`, and its load answers now as `load` says, or later)."""
+            request_id = f"r{self.next_id}"
             self.add_request(prefix, 12, [self.next_id % 10], max_tokens)
             while self.executor.run_next(call="exists"):
                 pass
             self.step()
+            if meanwhile and self.scheduler.tiers.is_loading(request_id):
+                if meanwhile == "abort":
+                    self.scheduler.finish(request_id)
+                else:
+                    assert self.scheduler.preempt(request_id)
             if load != "later":
                 self.executor.run_next(fault="io" if load == "io" else None, corrupt=load == "corrupt",
                                        swap=load == "swap", call="get")
