@@ -84,6 +84,8 @@ class CacheConfig:
     store_timeout: float = _opt(2.0, "seconds a store lookup or load may take before it counts as a miss")
     write_policy: str = _opt("write_back", "write_back: offload a block when it is evicted; write_through: as "
                                            "soon as it is full", WRITE_POLICIES)
+    persist: bool = _opt(True, "also write full blocks to the store while the engine is idle and at shutdown, "
+                               "so the cache survives a restart")
     reserve_ratio_init: float = _opt(0.7, "share of running requests' remaining max_tokens kept "
                                           "free at admission, right after start or a preemption")
     reserve_ratio_min: float = _opt(0.1, "floor the reserved share decays to")
@@ -102,6 +104,8 @@ class CacheConfig:
         _require(self.num_host_blocks is None or self.num_host_blocks >= 0, "num_host_blocks must not be negative")
         _require(self.store in ("none", "disk") or self.store.startswith("redis://"),
                  f"store must be none, disk or a redis:// URL, not {self.store!r}")
+        _require(self.store_path is None or self.store == "disk",
+                 f"store_path names a disk store folder, but the store is {self.store!r}")
         _require(self.store_capacity > 0, "store_capacity must be positive")
         _require(self.store_timeout > 0, "store_timeout must be positive")
         _require(self.write_policy in WRITE_POLICIES,
@@ -168,6 +172,8 @@ class EngineConfig:
             section_type = {f.name: f for f in dataclasses.fields(cls)}[name].default_factory
             fields = {f.name: f for f in dataclasses.fields(section_type)}
             values = {k: options.pop(k) for k in list(options) if k in fields}
+            if values.get("store_path") is not None and values.get("store", "none") == "none":
+                values["store"] = "disk"            # a store folder means the disk store
             sections[name] = section_type(**{k: parse_size(v) if fields[k].metadata.get("size") else v
                                              for k, v in values.items()})
         top = {k: options.pop(k) for k in list(options) if k in {f.name for f in dataclasses.fields(cls)}}

@@ -32,6 +32,9 @@ from kvstrata.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+PERSIST_BATCH = 16      # blocks an idle engine sends to the store between looks at its command queue
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
     """Messages to render with the model's chat template (in the engine thread, with the tokenizer)."""
@@ -188,12 +191,16 @@ class LLMEngine:
         return self._output(self._tracked[request_id], [])
 
     def close(self, timeout: float = 5.0) -> None:
-        """Abort what is left, let transfers settle (up to `timeout` s), and close the store."""
+        """Abort what is left, write the cache to the store (`persist`), let transfers settle (up to
+        `timeout` s in all), and close the store."""
         for request_id in list(self._tracked):
             self.abort(request_id)
         deadline = time.monotonic() + timeout
-        while self.tiers.has_transfers and time.monotonic() < deadline:
+        while (self.tiers.persist() or self.tiers.has_transfers) and time.monotonic() < deadline:
             self.step()
+        if self.tiers.num_unpersisted:
+            logger.warning("%d cached blocks were not written to the store within %.0fs",
+                           self.tiers.num_unpersisted, timeout)
         if self.store is not None:
             self.store.close()
 
@@ -295,6 +302,8 @@ class AsyncLLMEngine:
                 if self.engine.has_work:
                     for out in self.engine.step():
                         self._deliver(out)
+                elif self.engine.tiers.persist(PERSIST_BATCH):
+                    continue                # idle: a few blocks to the store, then look for work again
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
