@@ -26,7 +26,7 @@ from kvstrata.kvcache.hashing import BlockHasher
 from kvstrata.kvcache.storage import open_store
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.model.loader import LoadedModel, load_model
-from kvstrata.request import Request, RequestOutput, RequestStatus, SamplingParams
+from kvstrata.request import Request, RequestOutput, RequestRejected, RequestStatus, SamplingParams
 from kvstrata.runner import ModelRunner, StepResult
 from kvstrata.scheduler import Scheduler, SchedulerOutput
 
@@ -67,8 +67,12 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        self.config = config.validate()
+        config.validate()
         self.loaded = loaded or load_model(config.model)
+        # The one value of the config learned from the model: a new (frozen) config, never a mutation.
+        scheduler_config = dataclasses.replace(
+            config.scheduler, max_model_len=resolve_max_model_len(config.scheduler.max_model_len, self.loaded.arch))
+        self.config = config = dataclasses.replace(config, scheduler=scheduler_config).validate()
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, config.cache)
         cache = config.cache
@@ -96,7 +100,7 @@ class LLMEngine:
         try:
             text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         except Exception as exc:        # the template's own checks (role order, missing fields)
-            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+            raise RequestRejected(f"the chat template rejected these messages: {exc}", "prompt") from exc
         return self.encode(text)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -112,7 +116,7 @@ class LLMEngine:
         params = params.validate()
         vocab = self.loaded.arch.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"token ids must be in [0, {vocab})")
+            raise RequestRejected(f"token ids must be in [0, {vocab})", "prompt")
         request = Request(request_id or f"req-{next(self._ids)}", token_ids, params, self.hasher,
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           priority=priority)
@@ -167,12 +171,17 @@ class LLMEngine:
             del self._tracked[request.request_id]
         return RequestOutput(request.request_id, new_token_ids, tracked.detokenizer.delta(final=finished),
                              finished, request.status.finish_reason, request.num_prompt_tokens,
-                             max(0, request.num_cached_tokens), request.num_output_tokens, logprobs)
+                             max(0, request.num_cached_tokens), request.num_output_tokens, logprobs,
+                             request.first_scheduled_time)
 
     def _account(self, output: SchedulerOutput, started: float) -> None:
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - started
         self.stats.generated_tokens += sum(chunk.sample for chunk in output.chunks)
+        step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses
+        for chunk in output.chunks:
+            if chunk.request.first_scheduled_time is None:
+                chunk.request.first_scheduled_time = step_began
         self.stats.prompt_tokens_computed += sum(
             max(0, min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens) - chunk.start)
             for chunk in output.chunks)
@@ -212,6 +221,20 @@ class LLMEngine:
             for out in self.step():
                 collected[out.request_id].append(out)
         return [_combine(collected[r.request_id]) for r in requests]
+
+
+def resolve_max_model_len(asked: int | None, arch) -> int:
+    """The context length to enforce: the model's `max_position_embeddings` unless asked for less.
+
+    Longer is refused: the rotary tables stop there, and a RoPE-scaled checkpoint (linear, llama3)
+    already states its extended context in that field."""
+    limit = arch.max_position_embeddings
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(f"max_model_len {asked} is longer than the model's context ({limit} tokens, its "
+                         f"max_position_embeddings); use --max-model-len {limit} or less")
+    return asked
 
 
 def _combine(parts: list[RequestOutput]) -> RequestOutput:
