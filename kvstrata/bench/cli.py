@@ -16,11 +16,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvstrata.bench import report
-from kvstrata.bench.client import RequestOptions, Target
-from kvstrata.bench.loadgen import LoadOptions, compare
-from kvstrata.bench.metrics import parse_slo
+from typing import TYPE_CHECKING
+
 from kvstrata.bench.workloads import WORKLOADS, Workload, WorkloadOptions, build_workload
+
+if TYPE_CHECKING:
+    from kvstrata.bench.client import Target
+
+# The load generator, client and report are imported where they run: every `kvstrata` command
+# builds this parser, and `kvstrata serve` should not pay for httpx and the report at start.
 
 RESULTS_DIR = Path("bench/results")
 
@@ -79,6 +83,8 @@ def _add_serve(kinds: argparse._SubParsersAction) -> None:
 
 
 def _targets(args: argparse.Namespace) -> list[Target]:
+    from kvstrata.bench.client import Target
+
     urls = [args.base_url, *args.compare_url]
     if args.label and len(args.label) != len(urls):
         raise ValueError(f"{len(args.label)} labels for {len(urls)} servers")
@@ -119,6 +125,11 @@ def default_model_folder() -> Path:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kvstrata.bench import report
+    from kvstrata.bench.client import RequestOptions
+    from kvstrata.bench.loadgen import LoadOptions, compare
+    from kvstrata.bench.metrics import parse_slo
+
     targets = _targets(args)
     slo = parse_slo(args.slo)
     build = _workload_builder(args)
@@ -170,6 +181,7 @@ def _add_offline(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_offline(args: argparse.Namespace) -> int:
+    from kvstrata.bench import report
     from kvstrata.bench.cases import read_cases
     from kvstrata.bench.offline import make_cases, run_offline as run
     from kvstrata.cli import engine_config
