@@ -3,7 +3,7 @@
 
 from fakes import make_request, make_tiered_scheduler, step
 
-from kvstrata.kvcache.tiers import MAX_PENDING_WRITES, TierManager
+from kvstrata.kvcache import tiers as tiers_module
 
 PROMPT = list(range(1, 18))                        # 4 full blocks of 4 tokens, and one token more
 
@@ -48,11 +48,13 @@ def test_nothing_is_remembered_without_persist_or_written_twice():
     assert len(store.records) == 5 and scheduler.tiers.num_unpersisted == 0    # already in the store
 
 
-def test_persist_waits_instead_of_dropping_when_writes_are_queued():
-    scheduler, runner, executor, _, _ = make_tiered_scheduler()
+def test_persist_waits_instead_of_dropping_when_writes_are_queued(monkeypatch):
+    scheduler, runner, executor, _, store = make_tiered_scheduler()
     serve(scheduler, runner, executor, make_request("a", PROMPT))
-    tiers: TierManager = scheduler.tiers
-    tiers._writes.extend(executor.submit(lambda: None) for _ in range(MAX_PENDING_WRITES))
-    assert tiers.persist() == 0 and tiers.num_unpersisted == 5 and tiers.stats.dropped_writes == 0
-    executor.run_all()
-    assert tiers.persist() == 5 and tiers.stats.dropped_writes == 0
+    tiers = scheduler.tiers
+    monkeypatch.setattr(tiers_module, "MAX_PENDING_WRITES", 2)
+    started = []
+    while tiers.num_unpersisted:
+        started.append(tiers.persist())
+        executor.run_all()
+    assert started == [2, 2, 1] and tiers.stats.dropped_writes == 0 and len(store.records) == 5

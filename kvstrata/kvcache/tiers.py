@@ -545,10 +545,7 @@ class TierManager:
         the rest waits for the next call.
         """
         started = 0
-        while self._unpersisted and (limit is None or started < limit):
-            self._writes = [w for w in self._writes if not self._settle_write(w)]
-            if len(self._writes) >= MAX_PENDING_WRITES:
-                break
+        while self._unpersisted and (limit is None or started < limit) and self._has_write_room():
             block_hash, token_ids = self._unpersisted.popitem(last=False)
             for tier, pool in (("device", self.device), ("host", self.host)):
                 block = pool.lookup(block_hash, token_ids) if pool is not None else None
@@ -557,6 +554,11 @@ class TierManager:
                     started += 1
                     break
         return started
+
+    def _has_write_room(self) -> bool:
+        """Whether _write_to_store would take one more write now (rather than drop it)."""
+        self._writes = [w for w in self._writes if not self._settle_write(w)]
+        return len(self._writes) < MAX_PENDING_WRITES
 
     # ---- settling loads -------------------------------------------------------------------------
     def poll_loads(self) -> list[Request]:
