@@ -25,6 +25,7 @@ from kvstrata.detokenizer import IncrementalDetokenizer
 from kvstrata.kvcache.hashing import BlockHasher
 from kvstrata.kvcache.storage import open_store
 from kvstrata.kvcache.tiers import TierManager
+from kvstrata.model.arch import ModelArch
 from kvstrata.model.loader import LoadedModel, load_model
 from kvstrata.request import Request, RequestOutput, RequestRejected, RequestStatus, SamplingParams
 from kvstrata.runner import ModelRunner, StepResult
@@ -223,7 +224,7 @@ class LLMEngine:
         return [_combine(collected[r.request_id]) for r in requests]
 
 
-def resolve_max_model_len(asked: int | None, arch) -> int:
+def resolve_max_model_len(asked: int | None, arch: ModelArch) -> int:
     """The context length to enforce: the model's `max_position_embeddings` unless asked for less.
 
     Longer is refused: the rotary tables stop there, and a RoPE-scaled checkpoint (linear, llama3)
