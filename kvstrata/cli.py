@@ -17,7 +17,8 @@ import typing
 from collections.abc import Callable
 
 from kvstrata.bench.cli import add_bench
-from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, parse_size
+from kvstrata.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, format_size,
+                             parse_size)
 from kvstrata.sim_cli import add_calibrate, add_simulate
 
 ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
@@ -31,18 +32,27 @@ def _flag_type(field: dataclasses.Field, hint: object) -> Callable[[str], object
     return hint
 
 
+def _help_text(field: dataclasses.Field) -> str:
+    """The field's help, with its default once: not when the help already tells it, nor for None."""
+    text = field.metadata.get("help", "")
+    if field.default is None or "default" in text:
+        return text
+    default = format_size(field.default) if field.metadata.get("size") else field.default or repr(field.default)
+    return f"{text} (default: {default})"
+
+
 def add_section_flags(parser: argparse.ArgumentParser, title: str, section: type) -> None:
     group = parser.add_argument_group(f"{title} options")
     hints = typing.get_type_hints(section)
     for field in dataclasses.fields(section):
         flag = "--" + field.name.replace("_", "-")
-        help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
         if hints[field.name] is bool:
             group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                               default=field.default, help=help_text)
+                               default=field.default, help=_help_text(field))
         else:
             group.add_argument(flag, dest=field.name, type=_flag_type(field, hints[field.name]),
-                               default=field.default, choices=field.metadata.get("choices"), help=help_text)
+                               default=field.default, choices=field.metadata.get("choices"),
+                               help=_help_text(field))
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -97,15 +107,17 @@ def run_generate(args: argparse.Namespace) -> int:
               f"{first - started:.3f}s: {computed / (first - started):.1f} tok/s | {request.num_output_tokens} "
               f"output tokens: {decode_rate:.1f} tok/s decode | finish: {request.status.finish_reason}]",
               file=sys.stderr)
+    engine.close()          # with a store, what this run cached is written there for the next run
     return 0
 
 
 # ---- serve --------------------------------------------------------------------------------------
 def add_serve(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model (vllm serve MODEL)")
     add_section_flags(parser, "server", ServerConfig)
     add_engine_flags(parser)
-    parser.set_defaults(run=run_serve)
+    parser.set_defaults(run=run_serve, default_log_level="INFO")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -115,42 +127,81 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvstrata.faults import ENV_VAR, FaultInjector
     from kvstrata.server import create_app
 
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise ValueError(f"two models given: {args.model_arg} and --model {args.model}")
+        args.model = args.model_arg
     server = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}).validate()
+    started = time.monotonic()
     faults = FaultInjector.from_env()
     if faults is not None:
         logging.getLogger("kvstrata").warning("%s is set: injecting faults %s", ENV_VAR, faults.every)
     engine = LLMEngine(engine_config(args), faults=faults)
     async_engine = AsyncLLMEngine(engine).start()
     name = server.served_model_name or engine.loaded.name
-    app = create_app(async_engine, name, server.api_key, server.max_queue)
-    logging.getLogger("kvstrata").warning("serving %s on http://%s:%d (OpenAI API under /v1)", name,
-                                          server.host, server.port)
+    app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins)
     # uvicorn stops accepting on SIGTERM/SIGINT, lets open requests run for shutdown_timeout seconds,
     # then cancels them (which aborts their requests); what is left is aborted below. Once done it
     # re-raises the signal into the handlers it found: these, so the process goes on to exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level.lower(),
-                                  timeout_graceful_shutdown=server.shutdown_timeout)).run()
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=server.shutdown_timeout, access_log=False)
+    ready_server(config, f"serving {name} on http://{server.host}:{server.port} (OpenAI API under /v1), "
+                        f"ready {time.monotonic() - started:.1f}s after loading began").run()
+    log = logging.getLogger("kvstrata")
+    log.info("shutting down: %d requests in flight", async_engine.num_unfinished)
     async_engine.shutdown()
+    stats = engine.tiers.stats
+    log.info("stopped: %d steps, %d prompt tokens (%d from cache), %d tokens generated; %d blocks written to "
+             "the store, %d not", engine.stats.steps, stats.prompt_tokens, sum(stats.hit_tokens.values()),
+             engine.stats.generated_tokens, stats.offloaded_blocks["store"], engine.tiers.num_unpersisted)
     return 0
+
+
+def ready_server(config, ready_line: str):
+    """A uvicorn server that logs `ready_line` once its socket accepts connections, not before."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                logging.getLogger("kvstrata").warning("%s", ready_line)
+
+    return _Server(config)
 
 
 # ---- entry --------------------------------------------------------------------------------------
 COMMANDS = [add_generate, add_serve, add_simulate, add_calibrate, add_bench]
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: str | None) -> None:
+    """--log-level before or after the command (and its sub-commands): the last one given wins."""
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                        default=default if default is not None else argparse.SUPPRESS,
+                        help="log level (default: INFO for serve, WARNING otherwise)")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_log_level(sub, None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstrata", description="LLM serving with a three-tier KV cache")
-    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(commands)
+    _add_log_level(parser, None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.log_level = getattr(args, "log_level", None) or getattr(args, "default_log_level", "WARNING")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)

@@ -42,6 +42,14 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def format_size(n: int) -> str:
+    """1073741824 -> '1GiB', 1500 -> '1500': the largest binary unit that divides exactly."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
 def _opt(default, help: str, choices: tuple[str, ...] | None = None, size: bool = False):
     return field(default=default, metadata={"help": help, "choices": choices, "size": size})
 
@@ -84,6 +92,8 @@ class CacheConfig:
     store_timeout: float = _opt(2.0, "seconds a store lookup or load may take before it counts as a miss")
     write_policy: str = _opt("write_back", "write_back: offload a block when it is evicted; write_through: as "
                                            "soon as it is full", WRITE_POLICIES)
+    persist: bool = _opt(True, "also write full blocks to the store while the engine is idle and at shutdown, "
+                               "so the cache survives a restart")
     reserve_ratio_init: float = _opt(0.7, "share of running requests' remaining max_tokens kept "
                                           "free at admission, right after start or a preemption")
     reserve_ratio_min: float = _opt(0.1, "floor the reserved share decays to")
@@ -102,6 +112,8 @@ class CacheConfig:
         _require(self.num_host_blocks is None or self.num_host_blocks >= 0, "num_host_blocks must not be negative")
         _require(self.store in ("none", "disk") or self.store.startswith("redis://"),
                  f"store must be none, disk or a redis:// URL, not {self.store!r}")
+        _require(self.store_path is None or self.store == "disk",
+                 f"store_path names a disk store folder, but the store is {self.store!r}")
         _require(self.store_capacity > 0, "store_capacity must be positive")
         _require(self.store_timeout > 0, "store_timeout must be positive")
         _require(self.write_policy in WRITE_POLICIES,
@@ -114,7 +126,8 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = _opt(64, "most requests running at once")
     max_num_batched_tokens: int = _opt(512, "token budget of one step (prefill chunks plus decodes)")
-    max_model_len: int = _opt(2048, "longest sequence (prompt plus output) accepted")
+    max_model_len: int | None = _opt(None, "longest sequence (prompt plus output) accepted; default: the "
+                                           "model's max_position_embeddings, and never more")
     policy: str = _opt("fcfs", "order of waiting requests: fcfs, priority (lower value first) "
                                "or lpm (longest cached prefix first)", POLICIES)
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
@@ -122,9 +135,10 @@ class SchedulerConfig:
     def validate(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
-        _require(self.max_model_len >= 2, "max_model_len must be at least 2")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
         _require(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
-        _require(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+        _require(self.enable_chunked_prefill or self.max_model_len is None
+                 or self.max_num_batched_tokens >= self.max_model_len,
                  "without chunked prefill, max_num_batched_tokens must be at least max_model_len "
                  f"({self.max_num_batched_tokens} < {self.max_model_len})")
 
@@ -139,6 +153,12 @@ class ServerConfig:
     served_model_name: str | None = _opt(None, "model name clients must send (default: the model's own)")
     max_queue: int = _opt(256, "requests in flight (running or waiting) before new ones get 503")
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    allowed_origins: str | None = _opt(None, "browser origins allowed to call the API (CORS), comma-separated, "
+                                             "or *; default: none (no CORS headers)")
+
+    @property
+    def origins(self) -> tuple[str, ...]:
+        return tuple(o.strip() for o in (self.allowed_origins or "").split(",") if o.strip())
 
     def validate(self) -> ServerConfig:
         _require(0 <= self.port <= 65535, f"port must be in 0..65535, not {self.port}")
@@ -168,6 +188,8 @@ class EngineConfig:
             section_type = {f.name: f for f in dataclasses.fields(cls)}[name].default_factory
             fields = {f.name: f for f in dataclasses.fields(section_type)}
             values = {k: options.pop(k) for k in list(options) if k in fields}
+            if values.get("store_path") is not None and values.get("store", "none") == "none":
+                values["store"] = "disk"            # a store folder means the disk store
             sections[name] = section_type(**{k: parse_size(v) if fields[k].metadata.get("size") else v
                                              for k, v in values.items()})
         top = {k: options.pop(k) for k in list(options) if k in {f.name for f in dataclasses.fields(cls)}}

@@ -30,12 +30,15 @@ from kvstrata.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.hashing import BlockHasher
 from kvstrata.kvcache.storage import open_store
 from kvstrata.kvcache.tiers import TierManager
+from kvstrata.model.arch import ModelArch
 from kvstrata.model.loader import LoadedModel, load_model
-from kvstrata.request import Request, RequestOutput, RequestStatus, SamplingParams
+from kvstrata.request import Request, RequestOutput, RequestRejected, RequestStatus, SamplingParams
 from kvstrata.runner import ModelRunner, StepResult
 from kvstrata.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+PERSIST_BATCH = 16      # blocks an idle engine sends to the store between looks at its command queue
 
 
 class EngineDeadError(RuntimeError):
@@ -78,8 +81,12 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  faults: FaultInjector | None = None):
-        self.config = config.validate()
+        config.validate()
         self.loaded = loaded or load_model(config.model)
+        # The one value of the config learned from the model: a new (frozen) config, never a mutation.
+        scheduler_config = dataclasses.replace(
+            config.scheduler, max_model_len=resolve_max_model_len(config.scheduler.max_model_len, self.loaded.arch))
+        self.config = config = dataclasses.replace(config, scheduler=scheduler_config).validate()
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, config.cache)
         self.faults = faults
@@ -109,7 +116,7 @@ class LLMEngine:
         try:
             text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         except Exception as exc:        # the template's own checks (role order, missing fields)
-            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+            raise RequestRejected(f"the chat template rejected these messages: {exc}", "prompt") from exc
         return self.encode(text)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -125,7 +132,7 @@ class LLMEngine:
         params = params.validate()
         vocab = self.loaded.arch.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"token ids must be in [0, {vocab})")
+            raise RequestRejected(f"token ids must be in [0, {vocab})", "prompt")
         request = Request(request_id or f"req-{next(self._ids)}", token_ids, params, self.hasher,
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           priority=priority)
@@ -210,12 +217,17 @@ class LLMEngine:
             del self._tracked[request.request_id]
         return RequestOutput(request.request_id, new_token_ids, tracked.detokenizer.delta(final=finished),
                              finished, request.status.finish_reason, request.num_prompt_tokens,
-                             max(0, request.num_cached_tokens), request.num_output_tokens, logprobs)
+                             max(0, request.num_cached_tokens), request.num_output_tokens, logprobs,
+                             request.first_scheduled_time)
 
     def _account(self, output: SchedulerOutput, started: float) -> None:
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - started
         self.stats.generated_tokens += sum(chunk.sample for chunk in output.chunks)
+        step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses
+        for chunk in output.chunks:
+            if chunk.request.first_scheduled_time is None:
+                chunk.request.first_scheduled_time = step_began
         self.stats.prompt_tokens_computed += sum(
             max(0, min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens) - chunk.start)
             for chunk in output.chunks)
@@ -234,12 +246,16 @@ class LLMEngine:
         return self._output(self._tracked[request_id], [])
 
     def close(self, timeout: float = 5.0) -> None:
-        """Abort what is left, let transfers settle (up to `timeout` s), and close the store."""
+        """Abort what is left, write the cache to the store (`persist`), let transfers settle (up to
+        `timeout` s in all), and close the store."""
         for request_id in list(self._tracked):
             self.abort(request_id)
         deadline = time.monotonic() + timeout
-        while self.tiers.has_transfers and time.monotonic() < deadline:
+        while (self.tiers.persist() or self.tiers.has_transfers) and time.monotonic() < deadline:
             self.step()
+        if self.tiers.num_unpersisted:
+            logger.warning("%d cached blocks were not written to the store within %.0fs",
+                           self.tiers.num_unpersisted, timeout)
         if self.store is not None:
             self.store.close()
 
@@ -251,6 +267,20 @@ class LLMEngine:
             for out in self.step():
                 collected[out.request_id].append(out)
         return [_combine(collected[r.request_id]) for r in requests]
+
+
+def resolve_max_model_len(asked: int | None, arch: ModelArch) -> int:
+    """The context length to enforce: the model's `max_position_embeddings` unless asked for less.
+
+    Longer is refused: the rotary tables stop there, and a RoPE-scaled checkpoint (linear, llama3)
+    already states its extended context in that field."""
+    limit = arch.max_position_embeddings
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(f"max_model_len {asked} is longer than the model's context ({limit} tokens, its "
+                         f"max_position_embeddings); use --max-model-len {limit} or less")
+    return asked
 
 
 def _combine(parts: list[RequestOutput]) -> RequestOutput:
@@ -341,6 +371,8 @@ class AsyncLLMEngine:
                 if self.engine.has_work:
                     for out in self.engine.step():
                         self._deliver(out)
+                elif self.engine.tiers.persist(PERSIST_BATCH):
+                    continue                # idle: a few blocks to the store, then look for work again
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()

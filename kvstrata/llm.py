@@ -32,3 +32,13 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.engine.generate([self.engine.chat_prompt(c) for c in conversations], params)
+
+    def close(self) -> None:
+        """Write the cache to the store, when there is one (so the next process finds it), and close it."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()

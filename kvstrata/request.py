@@ -21,6 +21,15 @@ MAX_STOP_STRINGS = 16
 MIN_TEMPERATURE = 1e-5
 
 
+class RequestRejected(ValueError):
+    """A request that can never run, and which of its inputs the caller should change: "prompt"
+    (or its messages) or "max_tokens". Raised before anything is queued."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered: every status from FINISHED_STOPPED on is final."""
 
@@ -114,6 +123,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = -1    # prompt tokens served from cache at first admission; -1 until admitted
+    first_scheduled_time: float | None = None      # monotonic time of the first step that computed it
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
@@ -169,3 +179,4 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_scheduled_time: float | None = None     # monotonic; when the request was first computed (metrics)

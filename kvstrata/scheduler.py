@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from kvstrata.config import SchedulerConfig
 from kvstrata.kvcache.tiers import TierManager
-from kvstrata.request import Request, RequestStatus
+from kvstrata.request import Request, RequestRejected, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +83,19 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_prompt_tokens >= max_len:
-            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, but this server accepts at "
-                             f"most {max_len} tokens per request and at least one must be generated")
+            raise RequestRejected(f"the prompt has {request.num_prompt_tokens} tokens, but this server accepts "
+                                  f"at most {max_len} tokens per request and at least one must be generated",
+                                  "prompt")
         if request.max_total_tokens > max_len:
-            raise ValueError(f"this server accepts at most {max_len} tokens per request; you asked for "
-                             f"{request.max_total_tokens} ({request.num_prompt_tokens} in the prompt, "
-                             f"{request.sampling.max_tokens} in the completion); lower max_tokens")
+            raise RequestRejected(f"this server accepts at most {max_len} tokens per request; you asked for "
+                                  f"{request.max_total_tokens} ({request.num_prompt_tokens} in the prompt, "
+                                  f"{request.sampling.max_tokens} in the completion); lower max_tokens",
+                                  "max_tokens")
         need = math.ceil((request.max_total_tokens - 1) / self.tiers.block_size)
         if need > self.tiers.device.num_blocks:
-            raise ValueError(f"the request may need {need} KV blocks but the device cache holds only "
-                             f"{self.tiers.device.num_blocks}; lower max_tokens or give the cache more memory")
+            raise RequestRejected(f"the request may need {need} KV blocks but the device cache holds only "
+                                  f"{self.tiers.device.num_blocks}; lower max_tokens or give the cache more "
+                                  "memory", "max_tokens")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._arrival_order[request.request_id] = next(self._seq)

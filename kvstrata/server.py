@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models[/{id}], /health,
+/metrics, and vLLM's /tokenize, /detokenize and /version.
 
 Every error is an OpenAI-format body `{"error": {"message", "type", "param", "code"}}` with the
 right status; nothing a client sends can crash the server or leave a block held. Parameters the
@@ -14,17 +15,19 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvstrata import __version__
 from kvstrata.engine import AsyncLLMEngine, ChatPrompt, Prompt
 from kvstrata.metrics import ServerMetrics
 from kvstrata.request import RequestOutput, SamplingParams, TokenLogprob
@@ -32,6 +35,8 @@ from kvstrata.request import RequestOutput, SamplingParams, TokenLogprob
 logger = logging.getLogger(__name__)
 
 MAX_STOP = 16
+COMPLETION_MAX_TOKENS = 16      # /v1/completions without max_tokens, as OpenAI and vLLM
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 # Defined by the OpenAI API, not implemented here: a request that sets one to a non-default value gets 400.
 UNSUPPORTED = {
@@ -122,10 +127,18 @@ class _SamplingBody(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None      # None only for assistant (as OpenAI allows)
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -146,6 +159,22 @@ class ChatRequest(_SamplingBody):
 class CompletionRequest(_SamplingBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt (encoded as /v1/completions encodes it) or chat messages."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -172,14 +201,28 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param): `param` is the top-level field the user sent (`messages`), never pydantic's
+    path; the message points inside it (`messages[1].content`), without pydantic's type tags."""
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    param = str(loc[0]) if loc else None
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+        else:
+            break                    # a union member's tag (str, list[...], function-after[...]): stop
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     if first.get("type") == "extra_forbidden":
-        return f"unknown parameter '{param}'", param
-    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+        return f"unknown parameter '{path}'", param
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{path or 'body'}: {message}", param
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "any"}
 
 
 # ---- the app ------------------------------------------------------------------------------------
@@ -194,21 +237,29 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256) -> FastAPI:
-    """The HTTP API over a started AsyncLLMEngine."""
-    app = FastAPI(title="kvstrata", version="0.1.0")
+def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
+               allowed_origins: Sequence[str] = ()) -> FastAPI:
+    """The HTTP API over a started AsyncLLMEngine. `allowed_origins`: CORS (none: no CORS headers)."""
+    app = FastAPI(title="kvstrata", version=__version__)
     state = ServerState(engine, model_name, engine.engine.config.scheduler.max_model_len, api_key, max_queue,
-                        ServerMetrics(engine.engine))
+                        ServerMetrics(engine.engine, model_name))
     app.state.kvstrata = state
 
+    def refused(request: Request, status: int, message: str, param: str | None = None, code: str | None = None):
+        """Every error a generation request gets counts as outcome="rejected", with one log line."""
+        if request.url.path in GENERATION_PATHS:
+            state.metrics.rejected()
+            logger.info("%s rejected (%d, param %s): %s", request.url.path, status, param, message)
+        return error_response(status, message, param, code)
+
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+    async def _api_error(request: Request, exc: ApiError):
+        return refused(request, exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return error_response(400, message, param)
+        return refused(request, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
@@ -224,9 +275,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         if state.api_key and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                      code="invalid_api_key")
+                return refused(request, 401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                               code="invalid_api_key")
         return await call_next(request)
+
+    if allowed_origins:      # outermost, so a browser's preflight is answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.get("/health")
     async def health():
@@ -238,16 +293,52 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    def card() -> dict:
+        return {"id": model_name, "object": "model", "created": state.created, "owned_by": "kvstrata",
+                "root": model_name, "parent": None, "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
-                                            "owned_by": "kvstrata", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise ApiError(404, f"the model '{model_id}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+        return card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(state, body.model)
+        tokenizer = engine.engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send either 'prompt' or 'messages'", param="prompt")
+        try:
+            if body.messages is not None:
+                ids = engine.engine.chat_prompt(_chat_messages(body.messages))
+            else:
+                ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages" if body.messages is not None else "prompt") from exc
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(state, body.model)
+        vocab = engine.engine.loaded.arch.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": engine.engine.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check_common(state, body)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        messages = _chat_messages(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
@@ -264,15 +355,24 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             prompt = prompt[0]
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        return await _respond(state, request, body, prompt, body.max_tokens, body.logprobs, chat=False)
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        return await _respond(state, request, body, prompt, max_tokens, body.logprobs, chat=False)
 
     return app
 
 
-def _check_common(state: ServerState, body: _SamplingBody) -> None:
-    if body.model is not None and body.model != state.model_name:
-        raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{state.model_name}'",
+def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{state.model_name}'",
                        param="model", code="model_not_found")
+
+
+def _check_common(state: ServerState, body: _SamplingBody) -> None:
+    _check_model(state, body.model)
     body.refuse_unsupported()
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
@@ -289,13 +389,17 @@ async def _respond(state: ServerState, request: Request, body: _SamplingBody, pr
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    tracker = _Tracker(state, time.monotonic())
+    tracker = _Tracker(state, time.monotonic(), request_id)
     stream = state.engine.generate(prompt, params, request_id, body.priority)
     try:
         first = await anext(stream)
     except ValueError as exc:        # refused by the engine (too long, bad template input): nothing queued
-        tracker.done(rejected=True)
-        raise ApiError(400, str(exc), param="messages" if chat else "prompt") from exc
+        param = getattr(exc, "param", "prompt")
+        if param == "max_tokens" and chat and body.max_completion_tokens is not None:
+            param = "max_completion_tokens"
+        elif param == "prompt" and chat:
+            param = "messages"
+        raise ApiError(400, str(exc), param=param) from exc
     tracker.seen(first)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
@@ -315,10 +419,11 @@ async def _respond(state: ServerState, request: Request, body: _SamplingBody, pr
 
 
 class _Tracker:
-    """Latency bookkeeping for one request, reported to metrics when it ends (however it ends)."""
+    """Latency bookkeeping for one request, reported to metrics and logged (one INFO line) when it
+    ends, however it ends."""
 
-    def __init__(self, state: ServerState, arrival: float):
-        self.state, self.arrival = state, arrival
+    def __init__(self, state: ServerState, arrival: float, request_id: str):
+        self.state, self.arrival, self.request_id = state, arrival, request_id
         self.arrival_wall = int(time.time())
         self.first: float | None = None
         self.last: RequestOutput | None = None
@@ -328,11 +433,16 @@ class _Tracker:
             self.first = time.monotonic()
         self.last = out
 
-    def done(self, rejected: bool = False) -> None:
-        last = self.last
-        outcome = "rejected" if rejected else (last.finish_reason or "abort") if last and last.finished else "abort"
-        self.state.metrics.observe(outcome, self.arrival, self.first, time.monotonic(),
-                                   last.num_output_tokens if last else 0)
+    def done(self) -> None:
+        last, end = self.last, time.monotonic()
+        outcome = (last.finish_reason or "abort") if last and last.finished else "abort"
+        self.state.metrics.observe(outcome, self.arrival, self.first, end, last.num_output_tokens if last else 0,
+                                   last.num_prompt_tokens if last else None,
+                                   last.first_scheduled_time if last else None)
+        ttft = f"{self.first - self.arrival:.3f}s" if self.first is not None else "-"
+        logger.info("%s: %d prompt tokens (%d cached), %d output tokens, ttft %s, %.3fs, finish %s",
+                    self.request_id, last.num_prompt_tokens if last else 0, last.num_cached_tokens if last else 0,
+                    last.num_output_tokens if last else 0, ttft, end - self.arrival, outcome)
 
 
 async def _until_disconnected(request: Request, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

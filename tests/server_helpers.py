@@ -30,13 +30,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(loaded, api_key: str | None = None, max_queue: int = 256, faults=None, **options):
+def running_server(loaded, api_key: str | None = None, max_queue: int = 256, faults=None, allowed_origins=(),
+                   **options):
     """Yield (base_url, engine); on exit, stop the server and the engine thread."""
     options.setdefault("kv_cache_memory", "64MiB")
     engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded, faults=faults)
     async_engine = AsyncLLMEngine(engine).start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(async_engine, MODEL, api_key, max_queue),
+    server = uvicorn.Server(uvicorn.Config(create_app(async_engine, MODEL, api_key, max_queue, allowed_origins),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

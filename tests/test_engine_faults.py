@@ -93,7 +93,7 @@ def test_server_answers_a_failed_step_with_an_openai_error_and_keeps_serving(smo
         wait_idle(engine)
         metrics = scrape(base)
         assert metrics["kvstrata_step_failures_total"] == 2
-        assert metrics['kvstrata_requests_finished_total{outcome="error"}'] == 2
+        assert metrics[f'kvstrata_requests_finished_total{{model_name="{MODEL}",outcome="error"}}'] == 2
         assert blocks_at_rest(base)["used"] == 0
 
 

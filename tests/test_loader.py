@@ -4,7 +4,10 @@ tied embeddings, the cache), HF folders (configs, tokenizer, EOS ids), fingerpri
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
+import re
+import sys
 import threading
 
 import gguf
@@ -251,3 +254,15 @@ def test_sharded_folder_reads_only_the_indexed_shards(tmp_path):
     for loaded, seq in ((sharded, seq_a), (single, seq_b)):
         run_step(loaded.model, new_cache(loaded, 5, 4), [(seq, 20)])
     assert torch.equal(torch.stack(seq_a.logits), torch.stack(seq_b.logits))
+
+
+def test_first_conversion_shows_a_progress_bar_on_a_terminal(tiny_gguf, tmp_path, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    path, _ = tiny_gguf
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    gguf_convert.ensure_converted(path, tmp_path / "bar", file_sha256(path))
+    assert f"converting {path.name}" in screen.getvalue()
+    assert re.search(r"(\d+)/\1 ", screen.getvalue()), "the bar never reached its total"

@@ -16,11 +16,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvstrata.bench import report
-from kvstrata.bench.client import RequestOptions, Target
-from kvstrata.bench.loadgen import LoadOptions, compare
-from kvstrata.bench.metrics import parse_slo
+from typing import TYPE_CHECKING
+
 from kvstrata.bench.workloads import WORKLOADS, Workload, WorkloadOptions, build_workload
+
+if TYPE_CHECKING:
+    from kvstrata.bench.client import Target
+
+# The load generator, client and report are imported where they run: every `kvstrata` command
+# builds this parser, and `kvstrata serve` should not pay for httpx and the report at start.
 
 RESULTS_DIR = Path("bench/results")
 
@@ -49,7 +53,7 @@ def _add_serve(kinds: argparse._SubParsersAction) -> None:
                    help="sessions started per second, or inf for all at once (default: inf)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 Poisson, <1 burstier")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts (and arrivals) (default: 0)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per server, alternating; repeat r uses seed + r (default: 1)")
     p.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft=2000,tpot=200,e2el=30000")
@@ -67,7 +71,7 @@ def _add_serve(kinds: argparse._SubParsersAction) -> None:
                    help="seconds each run may wait for other jobs to leave the cores (default: 0, no wait)")
     p.add_argument("--output", default=None, help="path prefix of the .json and .png written "
                                                   f"(default: {RESULTS_DIR}/serve-WORKLOAD-TIME)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     w = p.add_argument_group("workload options")
     defaults = WorkloadOptions()
     for field in dataclasses.fields(WorkloadOptions):
@@ -79,6 +83,8 @@ def _add_serve(kinds: argparse._SubParsersAction) -> None:
 
 
 def _targets(args: argparse.Namespace) -> list[Target]:
+    from kvstrata.bench.client import Target
+
     urls = [args.base_url, *args.compare_url]
     if args.label and len(args.label) != len(urls):
         raise ValueError(f"{len(args.label)} labels for {len(urls)} servers")
@@ -119,6 +125,11 @@ def default_model_folder() -> Path:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kvstrata.bench import report
+    from kvstrata.bench.client import RequestOptions
+    from kvstrata.bench.loadgen import LoadOptions, compare
+    from kvstrata.bench.metrics import parse_slo
+
     targets = _targets(args)
     slo = parse_slo(args.slo)
     build = _workload_builder(args)
@@ -158,10 +169,10 @@ def _add_offline(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", default=None, help="prompts file (see kvstrata/bench/cases.py); "
                                                    "default: draw --num-prompts x --input-len")
     p.add_argument("--num-prompts", default="1,32", help="batch sizes, comma-separated (default: 1,32)")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (default: 128)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per case, new prompts each (default: 2)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts (and arrivals) (default: 0)")
     p.add_argument("--json", default=None, help="write the figures here too")
     p.add_argument("--patience", type=float, default=0.0,
                    help="seconds each repeat may wait for other jobs to leave the cores (default: 0, no wait)")
@@ -170,6 +181,7 @@ def _add_offline(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_offline(args: argparse.Namespace) -> int:
+    from kvstrata.bench import report
     from kvstrata.bench.cases import read_cases
     from kvstrata.bench.offline import make_cases, run_offline as run
     from kvstrata.cli import engine_config

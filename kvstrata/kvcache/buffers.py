@@ -20,9 +20,11 @@ see `KVCacheSpec.block_shape`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -66,8 +68,8 @@ class PagedKVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         l, _, h, bs, d = spec.block_shape
-        self.data = torch.zeros((l, 2, h, num_blocks, bs, d), dtype=spec.dtype, device=device,
-                                pin_memory=pin_memory)   # (L, 2, KVH, N, bs, D)
+        self.data = _zeros((l, 2, h, num_blocks, bs, d), spec.dtype, torch.device(device),
+                           pin_memory)                     # (L, 2, KVH, N, bs, D)
         self.device = self.data.device
         # Per-layer flat views, made once: (2, KVH, N * bs, D) for slot writes.
         self._slots = [self.data[i].view(2, h, num_blocks * bs, d) for i in range(l)]
@@ -127,3 +129,14 @@ class PagedKVCache:
                 raise ValueError(f"block data has {len(data)} bytes, expected {self.bytes_per_block}")
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.spec.dtype)
         self.write_blocks([block_id], data.reshape(1, *self.spec.block_shape))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    """A zeroed tensor. On CPU (unpinned) its pages come from calloc, zero until first written, so
+    a GiB of KV costs nothing at start (torch.zeros writes every page: 0.2-2 s per GiB here) and
+    memory is taken as blocks are first used. Zero, not empty: attention reads whole blocks, and
+    masked slots must hold finite values (0 * NaN is NaN)."""
+    if device.type != "cpu" or pin_memory:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

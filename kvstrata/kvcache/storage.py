@@ -38,6 +38,7 @@ import contextlib
 import errno
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -46,10 +47,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TypeVar
 from urllib.parse import urlsplit
-
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kvstrata.config import cache_dir
 
@@ -134,13 +131,15 @@ def _store_error(exc: Exception) -> StoreError:
     """The StoreError for any failure below a store, so callers handle exactly one exception type."""
     if isinstance(exc, StoreError):
         return exc
-    if isinstance(exc, (redis.TimeoutError, TimeoutError)):
+    redis = sys.modules.get("redis")         # imported by RedisStore only: absent, no error is redis's
+    if isinstance(exc, TimeoutError) or (redis and isinstance(exc, redis.TimeoutError)):
         return StoreError("timeout", str(exc))
-    if isinstance(exc, redis.ConnectionError):
+    if redis and isinstance(exc, redis.ConnectionError):
         return StoreError("connection", str(exc))
-    if isinstance(exc, redis.OutOfMemoryError) or getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+    if (redis and isinstance(exc, redis.OutOfMemoryError)) or getattr(exc, "errno", None) in (errno.ENOSPC,
+                                                                                            errno.EDQUOT):
         return StoreError("full", str(exc))
-    if isinstance(exc, redis.RedisError):
+    if redis and isinstance(exc, redis.RedisError):
         return StoreError("server", str(exc))
     if isinstance(exc, OSError):
         return StoreError("io", str(exc))
@@ -372,8 +371,13 @@ class RedisStore:
     def __init__(self, url: str, timeout_s: float) -> None:
         if timeout_s <= 0:
             raise ValueError(f"a store timeout must be positive, not {timeout_s}")
+        import redis                     # here, so a server without Redis never pays for the import
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
         parts = urlsplit(url)
         self.address = f"{parts.hostname}:{parts.port or 6379}{parts.path}"     # for logs: no password
+        self._redis = redis
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0))          # not redis-py's 3 backed-off retries: the breaker decides
@@ -396,7 +400,7 @@ class RedisStore:
             self._breaker.admit()
             try:
                 result = fn(*args)
-            except (redis.ConnectionError, redis.TimeoutError, TimeoutError, ConnectionError):
+            except (self._redis.ConnectionError, self._redis.TimeoutError, TimeoutError, ConnectionError):
                 self._breaker.tripped()
                 raise
             self._breaker.succeeded()

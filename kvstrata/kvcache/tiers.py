@@ -62,6 +62,7 @@ from kvstrata.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
+MAX_UNPERSISTED = 16384        # full blocks remembered for persist(); the oldest are forgotten beyond
 MAX_PENDING_WRITES = 256        # store writes queued (or abandoned and still running) beyond this are dropped
 REMEMBERED_STORED = 65536       # hashes known to be in the store, so they are not written twice
 
@@ -238,6 +239,7 @@ class TierManager:
         self._stored: OrderedDict[BlockHash, float] = OrderedDict()
         self._num_landed = 0
         self._computing: dict[BlockHash, int] = {}      # announced block hashes -> how many requests
+        self._unpersisted: OrderedDict[BlockHash, tuple[int, ...]] = OrderedDict()   # see persist()
 
     # ---- queries (pure) -------------------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
@@ -568,9 +570,10 @@ class TierManager:
         for index in range(rb.num_registered, num_full):
             block = rb.blocks[index]
             tokens = request.token_ids[index * size:(index + 1) * size]
-            if self.device.register(block, request.block_hashes[index], tokens) and \
-                    self.config.write_policy == "write_through":
-                self._write_through(block)
+            if self.device.register(block, request.block_hashes[index], tokens):
+                if self.config.write_policy == "write_through":
+                    self._write_through(block)
+                self._remember_unpersisted(block)
         self._set_registered(rb, max(rb.num_registered, num_full))
 
     def release(self, request: Request) -> None:
@@ -648,8 +651,7 @@ class TierManager:
         """
         if self.store is None or block_hash in self._stored:
             return
-        self._settle_writes()
-        if len(self._writes) + len(self._abandoned) >= MAX_PENDING_WRITES:
+        if not self._has_write_room():
             self.stats.dropped_writes += 1
             return
         try:
@@ -706,6 +708,46 @@ class TierManager:
         kind = getattr(exc, "kind", type(exc).__name__)
         self.stats.count(self.stats.store_errors, kind)
         logger.warning("store error (%s): %s", kind, exc)
+
+    # ---- persistence ----------------------------------------------------------------------------
+    # Write-back sends a block to the store only when host evicts it, so a process that stops
+    # before that takes its cache with it. With `persist`, every block that becomes full is
+    # remembered, and persist() writes the ones still on device or host to the store; the engine
+    # calls it when it has nothing else to do and, with no limit, at close. A block that left both
+    # tiers meanwhile went to the store by eviction (or was lost with a dropped write).
+    def _remember_unpersisted(self, block: Block) -> None:
+        if self.store is None or not self.config.persist or block.block_hash in self._stored:
+            return
+        self._unpersisted[block.block_hash] = block.token_ids
+        if len(self._unpersisted) > MAX_UNPERSISTED:
+            self._unpersisted.popitem(last=False)
+
+    @property
+    def num_unpersisted(self) -> int:
+        """Full blocks not yet written to the store by persist() (some may have left by eviction)."""
+        return len(self._unpersisted)
+
+    def persist(self, limit: int | None = None) -> int:
+        """Start store writes for up to `limit` remembered blocks, oldest first; how many started.
+
+        Stops early while MAX_PENDING_WRITES writes are out, so nothing is dropped for lack of room:
+        the rest waits for the next call.
+        """
+        started = 0
+        while self._unpersisted and (limit is None or started < limit) and self._has_write_room():
+            block_hash, token_ids = self._unpersisted.popitem(last=False)
+            for tier, pool in (("device", self.device), ("host", self.host)):
+                block = pool.lookup(block_hash, token_ids) if pool is not None else None
+                if block is not None:
+                    self._write_to_store(tier, block.block_id, block_hash, token_ids)
+                    started += 1
+                    break
+        return started
+
+    def _has_write_room(self) -> bool:
+        """Whether _write_to_store would take one more write now (rather than drop it)."""
+        self._settle_writes()
+        return len(self._writes) + len(self._abandoned) < MAX_PENDING_WRITES
 
     # ---- settling loads -------------------------------------------------------------------------
     def poll_loads(self) -> list[Request]:

@@ -30,6 +30,7 @@ from typing import Any
 import gguf
 import numpy as np
 from safetensors.numpy import save_file
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -90,10 +91,15 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _convert(path: Path, out: Path, sha256: str) -> None:
-    if _convert_weights(path, out):
-        _save_tokenizer(path, out)
-    else:
-        logger.warning("%s has no tokenizer; the model will take token ids only", path.name)
+    logger.warning("converting %s once into %s (later starts skip this)", path.name, out.parent)
+    # A bar on a terminal (stderr), for every entry point: serve, generate, LLM(...). Steps: reading
+    # the file, one per tensor (the total is known once it is read), saving, the tokenizer.
+    with tqdm(total=3, desc=f"converting {path.name}", unit="step", disable=None) as bar:
+        if _convert_weights(path, out, bar):
+            _save_tokenizer(path, out)
+        else:
+            logger.warning("%s has no tokenizer; the model will take token ids only", path.name)
+        bar.update()
     (out / "kvstrata.json").write_text(json.dumps(
         {"source": str(path), "sha256": sha256, "converter_version": CONVERTER_VERSION}, indent=2))
     for f in out.iterdir():             # mkdtemp and save_file leave owner-only modes
@@ -101,9 +107,11 @@ def _convert(path: Path, out: Path, sha256: str) -> None:
     out.chmod(0o755)
 
 
-def _convert_weights(path: Path, out: Path) -> bool:
+def _convert_weights(path: Path, out: Path, bar: tqdm) -> bool:
     """Write model.safetensors and config.json; returns whether the file carries a tokenizer."""
     reader = gguf.GGUFReader(path)
+    bar.total += len(reader.tensors)
+    bar.update()
 
     def meta(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)
@@ -124,9 +132,11 @@ def _convert_weights(path: Path, out: Path) -> bool:
         elif ".k_proj." in name:
             w = unpermute_rope_rows(w, kv_heads)
         tensors[name] = np.ascontiguousarray(w)
+        bar.update()
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    bar.update()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return "tokenizer.ggml.model" in reader.fields
 
