@@ -64,7 +64,8 @@ class DecodeSegment:
     end: int
     offset: int                    # first block of this segment in the gather buffer
     blocks: int                    # blocks per sequence (a prefix: for the whole segment)
-    mask: torch.Tensor | None      # (1, n, 1, blocks * bs) additive; None: every key is visible
+    mask: torch.Tensor | None      # additive, (1, n, 1, blocks * bs) for grouped decodes, else (n, 1, 1, ...);
+                                   # None: every key is visible
 
 
 @dataclass
@@ -74,6 +75,7 @@ class AttentionPlan:
     slot_mapping: torch.Tensor                # (T,)
     num_decodes: int
     decode_rows: torch.Tensor | None          # gather rows of every decode segment, segment after segment
+    grouped: int                              # decodes [0, grouped) are in groups
     own: list[DecodeSegment]                  # each decode in exactly one; grouped rows first
     prefixes: list[DecodeSegment]             # one per DecodeGroup, shared
     prefills: list[PrefillChunk]
@@ -95,14 +97,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T + mask) v and each query's log-sum-exp of scores (float32, trailing dim 1).
 
-    q (..., Lq, D) already scaled, k / v (..., Lk, D); every query must see at least one key."""
-    s = torch.matmul(q, k.transpose(-1, -2)).float()             # (..., Lq, Lk)
+    q (..., Lq, D) already scaled, k / v (..., Lk, D); every query must see at least one key.
+    Scores and their sums are float32 whatever the model dtype (as SDPA accumulates)."""
+    s = torch.matmul(q, k.transpose(-1, -2))                       # (..., Lq, Lk)
+    if s.dtype != torch.float32:
+        s = s.float()
     if mask is not None:
         s.add_(mask)
     top = s.amax(-1, keepdim=True)
     p = s.sub_(top).exp_()
     total = p.sum(-1, keepdim=True)
-    o = torch.matmul(p.to(v.dtype), v).div_(total.to(v.dtype))   # (..., Lq, D)
+    o = torch.matmul(p if v.dtype == p.dtype else p.to(v.dtype), v)   # (..., Lq, D)
+    o.div_(total if o.dtype == total.dtype else total.to(o.dtype))
     return o, total.log_().add_(top)
 
 
@@ -126,8 +132,8 @@ class PagedAttention:
         seq_lens = batch.seq_lens.tolist()      # one host copy per forward (a sync on CUDA)
         nd = batch.num_decodes
         assert qsl[nd] == nd, "decodes must come first, one token each"
-        decode_rows, own, prefixes = self._plan_decodes(batch, seq_lens, block_size, num_blocks, dtype) \
-            if nd else (None, [], [])
+        decode_rows, grouped, own, prefixes = self._plan_decodes(batch, seq_lens, block_size, num_blocks, dtype) \
+            if nd else (None, 0, [], [])
         prefills = []
         for b in range(nd, batch.num_seqs):
             start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
@@ -142,11 +148,12 @@ class PagedAttention:
             mask = _additive(keys[None, :] <= last_visible[:, None], dtype)   # (n, nblk * bs)
             prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, :nblk], planes, num_blocks),
                                          mask))
-        return AttentionPlan(batch.slot_mapping, nd, decode_rows, own, prefixes, prefills)
+        return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills)
 
     def _plan_decodes(self, batch: ForwardBatch, seq_lens: list[int], block_size: int, num_blocks: int,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, list[DecodeSegment], list[DecodeSegment]]:
-        """Segments of the decodes and the gather rows of all of them, in one tensor."""
+                      dtype: torch.dtype) -> tuple[torch.Tensor, int, list[DecodeSegment], list[DecodeSegment]]:
+        """The gather rows of every decode segment (one tensor), the number of grouped decodes, the
+        own segments and the prefix segments."""
         nd, groups, tables = batch.num_decodes, batch.decode_groups, batch.block_tables
         device = tables.device
         grouped = groups[-1].end if groups else 0
@@ -171,7 +178,8 @@ class PagedAttention:
             ids = tables[start:end].gather(1, cols.clamp(max=tables.shape[1] - 1))  # past the table: masked
             keys = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).view(end - start, -1)
             mask = _additive(keys < batch.seq_lens[start:end, None], dtype)          # (n, blocks * bs)
-            own.append(DecodeSegment(start, end, offset, blocks, mask.view(1, end - start, 1, -1)))
+            shape = (1, end - start, 1, -1) if start < grouped else (end - start, 1, 1, -1)   # see _decodes
+            own.append(DecodeSegment(start, end, offset, blocks, mask.view(shape)))
             rows.append(_gather_rows(ids.reshape(-1), planes, num_blocks))
             offset += (end - start) * blocks
         for group in groups:
@@ -179,7 +187,7 @@ class PagedAttention:
             prefixes.append(DecodeSegment(group.start, group.end, offset, group.prefix_blocks, None))
             rows.append(_gather_rows(ids, planes, num_blocks))
             offset += group.prefix_blocks
-        return torch.cat(rows), own, prefixes
+        return torch.cat(rows), grouped, own, prefixes
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                  plan: AttentionPlan) -> torch.Tensor:
@@ -190,9 +198,8 @@ class PagedAttention:
         t = q.shape[0]
         h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         out = q.new_empty(t, h * d)                               # (T, H * D)
-        nd = plan.num_decodes
-        if nd:
-            out[:nd] = self._decodes(q[:nd], kv_layer, plan)
+        if plan.num_decodes:
+            self._decodes(q, kv_layer, plan, out)
         for chunk in plan.prefills:
             n = chunk.end - chunk.start
             qc = q[chunk.start:chunk.end].transpose(0, 1)[None]          # (1, H, n, D)
@@ -207,27 +214,36 @@ class PagedAttention:
             out[chunk.start:chunk.end] = o[0].transpose(0, 1).reshape(n, h * d)   # (n, H * D)
         return out
 
-    def _decodes(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """q (B, H, D) of the decodes -> (B, H * D): own segments, then each group's prefix merged in."""
-        nd = q.shape[0]
-        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+    def _decodes(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, out: torch.Tensor) -> None:
+        """Attention of the decode rows of q (T, H, D) into out (T, H * D): grouped rows by hand (own
+        part, then each group's prefix merged in), the others by one SDPA."""
+        h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         buf = self._gather(kv_layer, plan.decode_rows)
-        qd = q.view(nd, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)   # (KVH, B, G, D)
-        o = torch.empty_like(qd)                                        # (KVH, B, G, D)
-        lse_own = None
         for seg in plan.own:
             n = seg.end - seg.start
             keys = self._blocks(buf, seg.offset, n * seg.blocks).unflatten(2, (n, -1))   # (2, KVH, n, L, D)
-            o[:, seg.start:seg.end], lse = attend(qd[:, seg.start:seg.end], keys[0], keys[1], seg.mask)
-            if seg.start == 0:
-                lse_own = lse                                           # (KVH, n, G, 1): grouped rows first
-        for seg in plan.prefixes:
-            n = seg.end - seg.start
-            keys = self._blocks(buf, seg.offset, seg.blocks)             # (2, KVH, P * bs, D)
-            o_pre, lse_pre = attend(qd[:, seg.start:seg.end].reshape(kvh, n * g, d), keys[0], keys[1], None)
-            weight = torch.sigmoid(lse_pre.view(kvh, n, g, 1) - lse_own[:, seg.start:seg.end])
-            o[:, seg.start:seg.end].lerp_(o_pre.view(kvh, n, g, d), weight.to(o.dtype))
-        return o.transpose(0, 1).reshape(nd, kvh * g * d)
+            if seg.start < plan.grouped:
+                out[seg.start:seg.end] = self._grouped(q[seg.start:seg.end], keys, seg.mask, buf, plan.prefixes)
+            else:
+                qs = q[seg.start:seg.end].view(n, kvh, g, d)                          # (n, KVH, G, D)
+                o = F.scaled_dot_product_attention(qs, keys[0].transpose(0, 1), keys[1].transpose(0, 1),
+                                                   attn_mask=seg.mask)                   # (n, KVH, G, D)
+                out[seg.start:seg.end] = o.reshape(n, h * d)
+
+    def _grouped(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, buf: torch.Tensor,
+                 prefixes: list[DecodeSegment]) -> torch.Tensor:
+        """Grouped decodes, q (n, H, D) and their own keys (2, KVH, n, L, D) -> (n, H * D)."""
+        n = q.shape[0]
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        qd = q.view(n, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)    # (KVH, n, G, D)
+        o, lse = attend(qd, keys[0], keys[1], mask)                                  # (KVH, n, G, D)
+        for seg in prefixes:
+            m = seg.end - seg.start
+            shared = self._blocks(buf, seg.offset, seg.blocks)                       # (2, KVH, P * bs, D)
+            o_pre, lse_pre = attend(qd[:, seg.start:seg.end].reshape(kvh, m * g, d), shared[0], shared[1], None)
+            weight = torch.sigmoid(lse_pre.view(kvh, m, g, 1) - lse[:, seg.start:seg.end])
+            o[:, seg.start:seg.end].lerp_(o_pre.view(kvh, m, g, d), weight.to(o.dtype))
+        return o.transpose(0, 1).reshape(n, kvh * g * d)
 
     def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Copy the block rows `rows` (see _gather_rows) into the scratch buffer; returns it as
