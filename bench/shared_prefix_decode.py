@@ -9,7 +9,8 @@ Two cases of --seqs prompts each, the same length (prefix + own tokens):
 Both are cached first (one generated token each), so each timed run computes one prompt token
 per sequence and then decodes: it times `LLM.generate` of --tokens greedy tokens (EOS ignored)
 for all sequences at once. Runs alternate (shared, distinct, shared, ...) in one process; the
-figure is shared / distinct per pair and its median. Also prints the cached share of the
+figure is shared / distinct per pair and its median, in wall time and in this process's CPU time
+(with --threads 1 the CPU time barely moves when other jobs share the cores). Also prints the cached share of the
 prompts in each timed run (1.0 less one token per sequence when the cache held them all), and
 how busy other jobs kept the cores just before it (each run first waits up to --patience
 seconds for them to quieten; see kvstrata.bench.quiet).
@@ -40,6 +41,7 @@ def prompts(case: str, seqs: int, prefix: int, own: int, rng: random.Random) -> 
 @dataclass
 class Run:
     seconds: float
+    cpu_seconds: float             # of this process, all threads
     cached: float                  # share of the prompt tokens found in the cache
     busy: float                    # share of the cores other jobs used just before
     digest: str                    # of every generated token id: equal digests, equal outputs
@@ -49,12 +51,12 @@ def timed(llm: LLM, batch: list[list[int]], tokens: int, patience: float = 0.0) 
     """One generate call of `tokens` greedy tokens per prompt."""
     busy = wait_quiet(patience)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(batch, params)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     assert all(o.num_output_tokens == tokens for o in outputs), "every sequence decodes --tokens tokens"
     digest = hashlib.sha256(repr([o.new_token_ids for o in outputs]).encode()).hexdigest()[:12]
-    return Run(seconds, sum(o.num_cached_tokens for o in outputs) / sum(len(p) for p in batch), busy, digest)
+    return Run(seconds, cpu_seconds, sum(o.num_cached_tokens for o in outputs) / sum(len(p) for p in batch), busy, digest)
 
 
 def main() -> None:
@@ -79,15 +81,18 @@ def main() -> None:
         timed(llm, batch, 1)                                     # caches every full block of every prompt
     print(f"{args.seqs} sequences x {args.tokens} greedy tokens; shared: {args.prefix} shared + {args.own} own "
           f"tokens, distinct: {args.prefix + args.own} own tokens; {args.threads} threads, {args.dtype}")
-    ratios = []
+    ratios, cpu_ratios = [], []
     for r in range(args.repeat):
         runs = {case: timed(llm, batch, args.tokens, args.patience) for case, batch in cases.items()}
         ratios.append(runs["shared"].seconds / runs["distinct"].seconds)
-        print(f"  pair {r}: " + "  ".join(f"{case} {run.seconds:6.2f} s (cached {run.cached:.3f}, others "
-                                          f"{run.busy:.0%}, tokens {run.digest})" for case, run in runs.items())
-              + f"  shared / distinct {ratios[-1]:.2f}", flush=True)
-    print(f"median shared / distinct: {statistics.median(ratios):.2f} "
-          f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
+        cpu_ratios.append(runs["shared"].cpu_seconds / runs["distinct"].cpu_seconds)
+        print(f"  pair {r}: " + "  ".join(f"{case} {run.seconds:6.2f} s, CPU {run.cpu_seconds:6.2f} s (cached "
+                                          f"{run.cached:.3f}, others {run.busy:.0%}, tokens {run.digest})"
+                                          for case, run in runs.items())
+              + f"  shared / distinct {ratios[-1]:.2f} (CPU {cpu_ratios[-1]:.2f})", flush=True)
+    for what, values in (("wall", ratios), ("CPU", cpu_ratios)):
+        print(f"median shared / distinct, {what} time: {statistics.median(values):.2f} "
+              f"(min {min(values):.2f}, max {max(values):.2f})")
 
 
 if __name__ == "__main__":

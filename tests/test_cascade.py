@@ -175,7 +175,7 @@ def test_group_decodes_never_shares_the_block_a_decode_writes():
 
 
 BACKGROUND = ("Background: the Loire rises in the Massif Central and flows north, then west, past Orleans, "
-              "Tours, Angers and Nantes to the Atlantic at Saint-Nazaire. ") * 4
+              "Tours, Angers and Nantes to the Atlantic at Saint-Nazaire. ") * 6
 QUESTIONS = ["Question: how long is the river?", "Question: name a city on it.", "Question: where does it end?",
              "Question: where does it rise?", "Question: which way does it flow?", "Q: say hello."]
 

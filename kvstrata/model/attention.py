@@ -5,33 +5,31 @@ is planned once per forward (`PagedAttention.plan`) and replayed by every layer:
 
     tokens:   [d0 d1 d2 d3 | p0 p0 p0 p0 | p1 p1]      decodes first, then prefill chunks
     decodes:  one gather per layer copies every block the decodes read into one buffer, then
-              batched attention per segment (below); the softmax is computed by hand so each
-              segment also returns its log-sum-exp.
+              batched attention per segment (below).
     chunk:    one SDPA per chunk; queries are positions seq_len-n .. seq_len-1 and see keys
               0 .. their own position. A chunk that starts a sequence uses its own K/V directly
               (no gather); a later chunk gathers the sequence's blocks.
 
 Cascade (shared-prefix) attention. Decodes whose block tables start with the same blocks come
 as a `DecodeGroup` (the runner finds them, kvstrata.model.prefix_groups). A group's shared blocks
-are copied once and attended once by all of its queries together; each decode then attends to
-its own blocks after the prefix, and the two partial results merge exactly:
+are copied once and attended once by all of its queries together (one matmul of the group's
+k * G query rows per kv head); each decode then attends to its own blocks after the prefix, and
+the two partial results merge exactly by their log-sum-exp (LSE):
 
     keys of d0:   [ shared prefix P blocks | own blocks ]      same P blocks for d0, d1, d2
     o = o_own + sigmoid(lse_pre - lse_own) * (o_pre - o_own)   (softmax over the union of keys)
 
     decode segments:   own    rows [0, grouped)      each from its group's prefix end, batched
-                       own    rows [grouped, nd)     whole contexts, batched (today's path)
                        prefix rows of one group      its shared blocks, once for the group
+                       own    rows [grouped, nd)     whole contexts, batched
 
-Each batched segment pads its sequences to its longest and masks the rest, so grouped decodes
-(short own parts) are never padded to the length of an ungrouped one.
+Grouped rows need the LSE, which SDPA does not return, so their softmax is written out (`attend`:
+two matmuls, max, exp, sum; float32 scores). Ungrouped rows keep one SDPA call, as before cascade
+attention: at batch 1 every extra op per layer costs time, and their results stay bit for bit
+what they were. Each batched segment pads its sequences to its longest and masks the rest, so
+grouped decodes (short own parts) are never padded to the length of an ungrouped one.
 
-Measured on SmolLM2 (fp32, 2-core AVX2 CPU), 16 decodes sharing a 1,024-token prefix: a step
-reads 1/16 of the prefix's KV it read before; see BENCHMARKS.md for the end-to-end figure. The
-hand-written softmax (two matmuls, max, exp, sum) is also a little faster than CPU SDPA for a
-decode's 3 query rows per kv head (0.72 vs 0.88 ms per layer at batch 32 x 608 keys).
-
-GQA without copying K/V: a decode's query heads are grouped as (KVH, B, G, D) so each kv head
+GQA without copying K/V: a decode's query heads are grouped as (.., KVH, G, D) so each kv head
 is attended by G query rows. Prefill inputs to SDPA are 4-D: PyTorch's CPU SDPA takes its fused
 (flash) kernel only for 4-D tensors and falls back to unfused math for 3-D ones.
 """

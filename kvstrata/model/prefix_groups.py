@@ -27,10 +27,14 @@ from collections.abc import Sequence
 
 from kvstrata.model.forward_batch import DecodeGroup
 
-# Measured on SmolLM2 fp32, 2-core AVX2 CPU (bench/cascade.py --group-cost): one group adds about
-# 30 small ops per layer (~0.3 ms per step of 30 layers), about what attending to ~256 tokens of
-# KV for one decode costs.
-GROUP_COST_TOKENS = 256
+# What one group costs, in tokens of KV its members no longer read. `bench/decode_group_cost.py`
+# (SmolLM2's shapes, one layer, 1 thread, CPU time, 2-core AVX2 EPYC): a group's own pass by hand
+# and its prefix pass cost ~40 us per layer more than one SDPA, and with K/V hot in cache a group
+# pays from ~700 saved tokens (4 decodes x 16 shared blocks: -3 us; 16 x 8: -60 us). In a whole
+# model step the saved reads come from memory and pay more: 16 decodes sharing 1,024 tokens save
+# ~0.19 us per token and layer (bench/model_step.py), a break-even near 200 tokens. 512 sits
+# between the two; at worst a misjudged group costs ~1 ms in a step of 40 ms or more.
+GROUP_COST_TOKENS = 512
 
 
 def group_decodes(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], block_size: int,
