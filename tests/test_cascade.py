@@ -30,12 +30,19 @@ NUM_BLOCKS = 400
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(our LoadedModel, the transformers model): GQA, 4 query heads over 2 kv heads."""
+def tiny_folder(tmp_path_factory):
+    """(folder, the transformers model): a random Llama with GQA, 4 query heads over 2 kv heads."""
     folder = tmp_path_factory.mktemp("cascade")
     hf = save_tiny_hf_model(folder, LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    return folder, hf
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    """(our LoadedModel in float32, the transformers model)."""
+    folder, hf = tiny_folder
     return load_model(ModelConfig(model=str(folder), dtype="float32", device="cpu")), hf
 
 
@@ -94,7 +101,7 @@ def groups_of(families: list[Family]) -> list[DecodeGroup]:
 
 
 def decode_twins(loaded, families: list[Family], others: list[Seq], steps: int,
-                 chunks: list[tuple[Seq, list[int]]] = ()) -> list[Seq]:
+                 chunks: list[tuple[Seq, list[int]]] = (), atol: float = ATOL) -> list[Seq]:
     """Prefill, copy the cache, then `steps` greedy steps on each twin: the families' decodes
     grouped on one and plain on the other, `others` decoding ungrouped, and each (seq, sizes) of
     `chunks` computing sizes[step] more prompt tokens (none when 0). Asserts equal logits and
@@ -114,7 +121,7 @@ def decode_twins(loaded, families: list[Family], others: list[Seq], steps: int,
             work = [(s, 1) for s in decodes] + [(s, sizes[step]) for s, sizes in pieces
                                                  if step < len(sizes) and sizes[step]]
             logits.append(run_step(loaded.model, cache, work, groups))
-        torch.testing.assert_close(logits[1], logits[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[1], logits[0], atol=atol, rtol=0)
         assert [s.tokens for s in decodes] == [s.tokens for fam in families for s in fam.seqs] + \
             [s.tokens for s in others]
     fams, loners, pieces = grouped[:3]
@@ -151,6 +158,14 @@ def test_mixed_batch_of_groups_loners_and_prefill_chunks(tiny):
     assert chunked.computed == 23 and fresh.computed == 9
     for seq in done:
         assert_matches_transformers(seq, hf)
+
+
+def test_cascade_in_bfloat16_stays_close_to_plain(tiny_folder):
+    """bfloat16 K/V and queries, float32 scores and log-sum-exp: within bfloat16 rounding."""
+    loaded = load_model(ModelConfig(model=str(tiny_folder[0]), dtype="bfloat16", device="cpu"))
+    rng, blocks = random.Random(11), Blocks(11)
+    families = [family(4, 14, 4, blocks, rng), family(3, 8, 4, blocks, rng)]
+    decode_twins(loaded, families, [loner(19, 4, blocks, rng)], steps=4, atol=0.1)
 
 
 def test_group_decodes_picks_the_groups_that_save_most():

@@ -14,11 +14,11 @@ GROUP_COST_TOKENS tokens. `_partition` picks, within each run, either one group 
 smallest LCP, whichever saves more:
 
     sorted tables     LCP with next
-    a: [7 8 9 1]      3            one system prompt [7] for all; [7 8 9] shared by a, b, c
-    b: [7 8 9 2]      3            -> groups {a, b, c} (P = 3) and {d, e} (P = 2) save more
-    c: [7 8 9 4]      1               than {a..e} (P = 1) when blocks are long
-    d: [7 5 6 3]      2
-    e: [7 5 6 0]      -
+    a: [7 5 6 0]      3            block 7 (a system prompt) is shared by all five;
+    b: [7 5 6 3]      1            groups {a, b} (P = 3) and {c, d, e} (P = 3) save
+    c: [7 8 9 1]      3            1 * 3 + 2 * 3 = 9 blocks of reads per layer,
+    d: [7 8 9 2]      3            one group {a..e} (P = 1) only 4
+    e: [7 8 9 4]      -
 """
 
 from __future__ import annotations
