@@ -3,6 +3,12 @@
     .venv/bin/python bench/model_step.py                       # fp32 and bf16, 2 threads
     .venv/bin/python bench/model_step.py --dtypes bfloat16 --batches 32 --profile
     .venv/bin/python bench/model_step.py --hf          # transformers on the same weights, same shapes
+    .venv/bin/python bench/model_step.py --dtypes float32 --batches 16 --ctx 1040 --shared-prefix 1024
+
+--shared-prefix N gives every decoding sequence the same first N tokens' blocks (as prefix caching
+leaves them) and the runner's decode groups (kvstrata.model.prefix_groups), so attention reads
+them once per group. --profile prints, per run, the time spent gathering KV blocks and in the
+rest of attention beside the whole step, then the op table.
 
 Each figure is the fastest of --repeat steps after warm-up (on a shared 2-core machine the median
 mostly measures the neighbours; it is printed too), beside what the step had to read: the weights
@@ -21,18 +27,27 @@ import torch
 from kvstrata.config import ModelConfig
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.attention import PagedAttention
 from kvstrata.model.loader import load_model
+from kvstrata.model.prefix_groups import group_decodes
 
 BLOCK = 16
 
 
-def decode_batch(batch: int, ctx: int, num_blocks: int, gen: torch.Generator) -> ForwardBatch:
-    per_seq = -(-ctx // BLOCK)
-    tables = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq)
+def decode_batch(batch: int, ctx: int, num_blocks: int, gen: torch.Generator, shared: int = 0) -> ForwardBatch:
+    """`batch` decodes at `ctx` tokens of context; the first `shared` tokens' whole blocks are the same
+    block ids in every table (grouped as the runner groups them), the rest are each sequence's own."""
+    per_seq, common = -(-ctx // BLOCK), shared // BLOCK
+    assert common < per_seq, "each sequence needs a block of its own for the token it decodes"
+    ids = torch.randperm(num_blocks, generator=gen)
+    own = ids[common:common + batch * (per_seq - common)].view(batch, per_seq - common)
+    tables = torch.cat([ids[:common].expand(batch, common), own], dim=1)
+    order, groups = group_decodes(tables.tolist(), [ctx] * batch, BLOCK)
+    tables = tables[order]
     pos = torch.full((batch,), ctx - 1)
     slots = tables[:, (ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK
     return ForwardBatch(torch.randint(0, 1000, (batch,), generator=gen), pos, slots, tables,
-                        torch.full((batch,), ctx), list(range(batch + 1)), batch, torch.arange(batch))
+                        torch.full((batch,), ctx), list(range(batch + 1)), batch, torch.arange(batch), groups)
 
 
 def prefill_batch(n: int, num_blocks: int, gen: torch.Generator) -> ForwardBatch:
@@ -42,6 +57,30 @@ def prefill_batch(n: int, num_blocks: int, gen: torch.Generator) -> ForwardBatch
     slots = table[0, pos // BLOCK] * BLOCK + pos % BLOCK
     return ForwardBatch(torch.randint(0, 1000, (n,), generator=gen), pos, slots, table,
                         torch.tensor([n]), [0, n], 0, torch.tensor([n - 1]))
+
+
+def label_attention() -> None:
+    """Wrap PagedAttention's gather and its whole call in profiler ranges, so a profile splits a step."""
+    for name, label in (("_gather", "kv gather"), ("__call__", "attention")):
+        method = getattr(PagedAttention, name)
+
+        def labelled(self, *args, _method=method, _label=label, **kwargs):
+            with torch.profiler.record_function(_label):
+                return _method(self, *args, **kwargs)
+        setattr(PagedAttention, name, labelled)
+
+
+def profile_step(model, batch, kv) -> None:
+    """One profiled step: gather and attention (without the gather) beside the whole step, then ops."""
+    with torch.profiler.profile() as prof:
+        start = time.perf_counter()
+        model(batch, kv)
+        step = time.perf_counter() - start
+    ranges = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
+    gather, attention = ranges.get("kv gather", 0.0), ranges.get("attention", 0.0)
+    print(f"    profiled step {step * 1e3:.1f} ms: KV gather {gather:.1f} ms ({gather / step / 10:.0f}%), "
+          f"attention without the gather {attention - gather:.1f} ms ({(attention - gather) / step / 10:.0f}%)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 def time_step(model, batch, kv, repeat: int) -> tuple[float, float]:
@@ -78,28 +117,33 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--ctx", type=int, default=192, help="context of every decoding sequence")
-    parser.add_argument("--prefills", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens at the start of every decode's context held in the same blocks")
+    parser.add_argument("--prefills", nargs="*", type=int, default=[128, 512])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler op table per run")
     parser.add_argument("--hf", action="store_true", help="also time transformers' decode step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.profile:
+        label_attention()
     gen = torch.Generator().manual_seed(0)
-    print(f"torch {torch.__version__}, {args.threads} threads, decode ctx {args.ctx}, block {BLOCK}")
+    print(f"torch {torch.__version__}, {args.threads} threads, decode ctx {args.ctx} "
+          f"({args.shared_prefix} shared), block {BLOCK}")
     for dtype in args.dtypes:
         loaded = load_model(ModelConfig(dtype=dtype, device="cpu"))
         model = loaded.model
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         spec = KVCacheSpec.for_model(loaded.arch, BLOCK, loaded.dtype)
-        num_blocks = max(max(args.batches) * -(-args.ctx // BLOCK), -(-max(args.prefills) // BLOCK)) + 1
+        num_blocks = max(max(args.batches) * -(-args.ctx // BLOCK), -(-max(args.prefills, default=0) // BLOCK)) + 1
         kv = PagedKVCache(spec, num_blocks)
         print(f"\n{dtype}: weights {weight_bytes / 1e6:.0f} MB, KV {spec.bytes_per_block / 1e3:.0f} kB/block")
-        runs = [(f"decode  batch {b:4d}", decode_batch(b, args.ctx, num_blocks, gen), b) for b in args.batches]
+        runs = [(f"decode  batch {b:4d}", decode_batch(b, args.ctx, num_blocks, gen, args.shared_prefix), b) for b in args.batches]
         runs += [(f"prefill {n:4d} tokens", prefill_batch(n, num_blocks, gen), n) for n in args.prefills]
         for label, batch, tokens in runs:
             seconds, median = time_step(model, batch, kv, args.repeat)
-            kv_read = batch.block_tables.numel() * spec.bytes_per_block if batch.num_decodes else 0
+            kv_read = batch.block_tables.unique().numel() * spec.bytes_per_block if batch.num_decodes else 0
             print(f"  {label}: {seconds * 1e3:7.1f} ms (median {median * 1e3:7.1f})  "
                   f"{tokens / seconds:6.0f} tok/s  weights {weight_bytes / seconds / 1e9:5.1f} GB/s  "
                   f"KV read {kv_read / 1e6:5.0f} MB")
@@ -109,9 +153,7 @@ def main() -> None:
                 print(f"  {'transformers':>20}: {hf * 1e3:7.1f} ms (median {hf_median * 1e3:7.1f})  "
                       f"{tokens / hf:6.0f} tok/s")
             if args.profile:
-                with torch.profiler.profile() as prof:
-                    model(batch, kv)
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+                profile_step(model, batch, kv)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,13 @@ def offline_section(offline: dict, default_dtype: str) -> list[str]:
     return lines
 
 
+def capped(max_concurrency: int | None) -> str:
+    if not max_concurrency:
+        return ""
+    return (f", at most {max_concurrency} in flight (the client holds the rest back, so latencies measure "
+            "the engine, not its queue)")
+
+
 def serve_section(name: str, data: dict) -> list[str]:
     config, summary = data["config"], data["summary"]
     labels = list(summary)
@@ -112,7 +119,8 @@ def serve_section(name: str, data: dict) -> list[str]:
     busy = [f"{r['label']} r{r['repeat']}: {r['cpu_busy_before']:.0%}" for r in data["runs"]]
     lines = [f"### {name}", "",
              f"{config['num_requests']} requests ({params}), arrivals Poisson at {config['request_rate']}/s"
-             f"{' (conversations)' if config['turn_gap_s'] else ''}; repeats: {config['repeats']}, alternating "
+             f"{' (conversations)' if config['turn_gap_s'] else ''}"
+             f"{capped(config.get('max_concurrency'))}; repeats: {config['repeats']}, alternating "
              f"servers (repeat r uses seed r, so no repeat finds another's prompts cached). Goodput SLO: {slo}. "
              f"Share of the cores other jobs used just before each run: {'; '.join(busy)}.", "",
              "| figure | " + " | ".join(labels) + " | " + " | ".join(f"{base} ÷ {o}" for o in labels[1:]) + " |",
@@ -159,7 +167,7 @@ def render(results: Path, current: Path) -> str:
               "bench/peers/venvs/vllm/bin/python bench/peers/offline_vllm.py --prompts P --model <HF folder> --dtype D",
               "```", ""]
     lines += offline_section(offline, run.get("serve_dtype", "float32")) + [""]
-    served = [(n, _load(results / f"serve-{n}.json")) for n in ("shared-prefix", "multi-turn")]
+    served = [(n, _load(results / f"serve-{n}.json")) for n in ("shared-prefix", "multi-turn", "shared-prefix-c16")]
     if any(d for _, d in served):
         lines += ["## Served throughput and latency", "",
                   "`kvstrata bench serve` against kvstrata (prefix caching on), vLLM CPU and kvstrata with caching "

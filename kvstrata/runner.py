@@ -16,8 +16,9 @@ import torch
 from kvstrata.config import CacheConfig
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.kvcache.mover import TierBuffers, host_cache
-from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
 from kvstrata.model.loader import LoadedModel
+from kvstrata.model.prefix_groups import group_decodes
 from kvstrata.request import TokenLogprob
 from kvstrata.sampler import Sampler
 from kvstrata.scheduler import ScheduledChunk, SchedulerOutput
@@ -69,8 +70,11 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepResult:
         if output.is_empty:
             return StepResult({}, {})
-        chunks = sorted(output.chunks, key=lambda c: c.num_tokens != 1)   # decodes first (stable)
-        batch = self.build_batch(chunks)
+        decodes = [c for c in output.chunks if c.num_tokens == 1]
+        order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes],
+                                      self.block_size)
+        chunks = [decodes[i] for i in order] + [c for c in output.chunks if c.num_tokens != 1]
+        batch = self.build_batch(chunks, groups)
         with torch.inference_mode():
             logits = self.model(batch, self.kv)                              # (S, V) float32
         sampling = [c.request for c in chunks if c.sample]
@@ -79,8 +83,9 @@ class ModelRunner:
         return StepResult(dict(zip(ids, result.token_ids)),
                           {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None})
 
-    def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        """Flatten chunks (decodes first) into token-axis tensors; see ForwardBatch for the layout."""
+    def build_batch(self, chunks: list[ScheduledChunk], groups: list[DecodeGroup] | None = None) -> ForwardBatch:
+        """Flatten chunks (decodes first, `groups` of them sharing a prefix at the front) into
+        token-axis tensors; see ForwardBatch for the layout."""
         size = self.block_size
         lengths = np.array([c.num_tokens for c in chunks], dtype=np.int64)
         starts = np.array([c.start for c in chunks], dtype=np.int64)
@@ -101,4 +106,4 @@ class ModelRunner:
             input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),
             block_tables=to(tables), seq_lens=to(seq_lens), query_start_loc=query_start.tolist(),
             num_decodes=int((lengths == 1).sum()),
-            logits_indices=to(np.array(logits_rows, dtype=np.int64)))
+            logits_indices=to(np.array(logits_rows, dtype=np.int64)), decode_groups=list(groups or ()))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
-from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
 from kvstrata.model.loader import LoadedModel
 
 
@@ -22,8 +22,9 @@ class Seq:
     logits: list[torch.Tensor] = field(default_factory=list)   # one row per computed token
 
 
-def make_batch(work: list[tuple[Seq, int]], block_size: int) -> ForwardBatch:
-    """Compute the next `n` tokens of each `seq`; items with n == 1 must come first (decodes)."""
+def make_batch(work: list[tuple[Seq, int]], block_size: int, groups: list[DecodeGroup] = ()) -> ForwardBatch:
+    """Compute the next `n` tokens of each `seq`; items with n == 1 must come first (decodes), those
+    of `groups` (decodes sharing their leading blocks) at the front."""
     ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
     num_decodes = 0
     while num_decodes < len(work) and work[num_decodes][1] == 1:
@@ -42,17 +43,20 @@ def make_batch(work: list[tuple[Seq, int]], block_size: int) -> ForwardBatch:
     return ForwardBatch(
         input_ids=torch.tensor(ids), positions=torch.tensor(positions),
         slot_mapping=torch.tensor(slots), block_tables=tables, seq_lens=torch.tensor(seq_lens),
-        query_start_loc=qsl, num_decodes=num_decodes, logits_indices=torch.arange(len(ids)))
+        query_start_loc=qsl, num_decodes=num_decodes, logits_indices=torch.arange(len(ids)),
+        decode_groups=list(groups))
 
 
-def run_step(model, kv: PagedKVCache, work: list[tuple[Seq, int]]) -> None:
-    """One forward over `work`; appends each computed token's logits to its Seq and advances it."""
-    logits = model(make_batch(work, kv.block_size), kv)
+def run_step(model, kv: PagedKVCache, work: list[tuple[Seq, int]], groups: list[DecodeGroup] = ()) -> torch.Tensor:
+    """One forward over `work`; appends each computed token's logits to its Seq and advances it.
+    Returns the logits, one row per computed token."""
+    logits = model(make_batch(work, kv.block_size, groups), kv)
     row = 0
     for seq, n in work:
         seq.logits.extend(logits[row:row + n])
         seq.computed += n
         row += n
+    return logits
 
 
 def new_cache(loaded: LoadedModel, num_blocks: int, block_size: int = 16) -> PagedKVCache:

@@ -1,19 +1,46 @@
-"""Paged attention in plain torch: write K/V by slot, read by block table, one SDPA per group.
+"""Paged attention in plain torch: write K/V by slot, read by block table, shared prefixes once.
 
 Same code on CPU and CUDA: no host-side loops over tokens, no device syncs per layer. The work
 is planned once per forward (`PagedAttention.plan`) and replayed by every layer:
 
-    tokens:   [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]      decodes first, then prefill chunks
-    decodes:  one SDPA for all of them; keys gathered block-wise into (B, KVH, ctx, D),
-              ctx = longest decode context rounded up to whole blocks, the rest masked out.
+    tokens:   [d0 d1 d2 d3 | p0 p0 p0 p0 | p1 p1]      decodes first, then prefill chunks
+    decodes:  one gather per layer copies every block the decodes read into one buffer, then
+              batched attention per segment (below).
     chunk:    one SDPA per chunk; queries are positions seq_len-n .. seq_len-1 and see keys
               0 .. their own position. A chunk that starts a sequence uses its own K/V directly
               (no gather); a later chunk gathers the sequence's blocks.
 
-GQA without copying K/V: a decode's query heads are grouped as (B, KVH, G, D) so each kv head
-is attended by G query rows ("heads" = KVH, "queries" = G). PyTorch's CPU `enable_gqa` path
-is much slower in bfloat16 than this grouping. Inputs are always 4-D: PyTorch's CPU SDPA takes
-its fused (flash) kernel only for 4-D tensors and falls back to unfused math for 3-D ones.
+Cascade (shared-prefix) attention. Decodes whose block tables start with the same blocks come
+as a `DecodeGroup` (the runner finds them, kvstrata.model.prefix_groups). A group's shared blocks
+are copied once and attended once by all of its queries together (one matmul of the group's
+k * G query rows per kv head); each decode then attends to its own blocks after the prefix, and
+the two partial results merge exactly by their log-sum-exp (LSE):
+
+    keys of d0:   [ shared prefix P blocks | own blocks ]      same P blocks for d0, d1, d2
+    o = o_own + sigmoid(lse_pre - lse_own) * (o_pre - o_own)   (softmax over the union of keys)
+
+    decode segments:   own    rows [0, grouped)      each from its group's prefix end, batched
+                       prefix rows of one group      its shared blocks, once for the group
+                       own    rows [grouped, nd)     whole contexts, batched
+
+Grouped rows need the LSE, which SDPA does not return, so their softmax is written out (`attend`:
+two matmuls, max, exp, sum; float32 scores). Ungrouped rows keep one SDPA call, as before cascade
+attention: at batch 1 every extra op per layer costs time, and their results stay bit for bit
+what they were. Each batched segment pads its sequences to its longest and masks the rest, so
+grouped decodes (short own parts) are never padded to the length of an ungrouped one.
+
+Measured (bench/model_step.py's shapes, SmolLM2 fp32, 1 thread, process CPU time on the shared
+2-core AVX2 EPYC; before -> after): 16 decodes at 1,040 tokens sharing 1,024 of them, a step
+170-194 -> 111-118 ms, its gather 33-34 -> 6-7 ms, the rest of attention 54-63 -> 20-22 ms (now
+the FLOPs of the 16 x 9 query rows over 1,040 keys, which no grouping removes); 32 decodes at 600
+sharing 512, 300 -> 185 ms. Where it loses: a group costs ~40 us per layer more than SDPA, so a
+small one does not pay (see kvstrata.model.prefix_groups.GROUP_COST_TOKENS). Decodes with
+distinct contexts still copy each of their blocks once per layer and step: 25% of a batch-32
+step at 600 tokens, SDPA another 28%.
+
+GQA without copying K/V: a decode's query heads are grouped as (.., KVH, G, D) so each kv head
+is attended by G query rows. Prefill inputs to SDPA are 4-D: PyTorch's CPU SDPA takes its fused
+(flash) kernel only for 4-D tensors and falls back to unfused math for 3-D ones.
 """
 
 from __future__ import annotations
@@ -36,13 +63,28 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeSegment:
+    """Decodes [start, end) attend to `blocks` blocks each (in `AttentionPlan.prefixes`: one run of
+    blocks shared by all of them), read from the decode gather buffer from block `offset` on."""
+
+    start: int
+    end: int
+    offset: int                    # first block of this segment in the gather buffer
+    blocks: int                    # blocks per sequence (a prefix: for the whole segment)
+    mask: torch.Tensor | None      # additive, (1, n, 1, blocks * bs) for grouped decodes, else (n, 1, 1, ...);
+                                   # None: every key is visible
+
+
+@dataclass
 class AttentionPlan:
     """What every layer's attention needs for one forward, built once from the ForwardBatch."""
 
     slot_mapping: torch.Tensor                # (T,)
     num_decodes: int
-    decode_rows: torch.Tensor | None          # gather rows of the decodes' blocks, (sequence, block) order
-    decode_mask: torch.Tensor | None          # (B, 1, 1, nblk * bs) additive, like PrefillChunk.mask
+    decode_rows: torch.Tensor | None          # gather rows of every decode segment, segment after segment
+    grouped: int                              # decodes [0, grouped) are in groups
+    own: list[DecodeSegment]                  # each decode in exactly one; grouped rows first
+    prefixes: list[DecodeSegment]             # one per DecodeGroup, shared
     prefills: list[PrefillChunk]
 
 
@@ -56,6 +98,25 @@ def _gather_rows(block_ids: torch.Tensor, planes: int, num_blocks: int) -> torch
     as fast on CPU as selecting along the block dimension of the 3-D view."""
     planes_first = torch.arange(planes, device=block_ids.device)[:, None] * num_blocks
     return (planes_first + block_ids[None, :]).reshape(-1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T + mask) v and each query's log-sum-exp of scores (float32, trailing dim 1).
+
+    q (..., Lq, D) already scaled, k / v (..., Lk, D); every query must see at least one key.
+    Scores and their sums are float32 whatever the model dtype (as SDPA accumulates)."""
+    s = torch.matmul(q, k.transpose(-1, -2))                       # (..., Lq, Lk)
+    if s.dtype != torch.float32:
+        s = s.float()
+    if mask is not None:
+        s.add_(mask)
+    top = s.amax(-1, keepdim=True)
+    p = s.sub_(top).exp_()
+    total = p.sum(-1, keepdim=True)
+    o = torch.matmul(p if v.dtype == p.dtype else p.to(v.dtype), v)   # (..., Lq, D)
+    o.div_(total if o.dtype == total.dtype else total.to(o.dtype))
+    return o, total.log_().add_(top)
 
 
 class PagedAttention:
@@ -78,12 +139,8 @@ class PagedAttention:
         seq_lens = batch.seq_lens.tolist()      # one host copy per forward (a sync on CUDA)
         nd = batch.num_decodes
         assert qsl[nd] == nd, "decodes must come first, one token each"
-        decode_rows = decode_mask = None
-        if nd:
-            nblk = -(-max(seq_lens[:nd]) // block_size)
-            decode_rows = _gather_rows(batch.block_tables[:nd, :nblk].reshape(-1), planes, num_blocks)
-            keys = torch.arange(nblk * block_size, device=device)
-            decode_mask = _additive(keys[None, :] < batch.seq_lens[:nd, None], dtype).view(nd, 1, 1, -1)
+        decode_rows, grouped, own, prefixes = self._plan_decodes(batch, seq_lens, block_size, num_blocks, dtype) \
+            if nd else (None, 0, [], [])
         prefills = []
         for b in range(nd, batch.num_seqs):
             start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
@@ -98,7 +155,46 @@ class PagedAttention:
             mask = _additive(keys[None, :] <= last_visible[:, None], dtype)   # (n, nblk * bs)
             prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, :nblk], planes, num_blocks),
                                          mask))
-        return AttentionPlan(batch.slot_mapping, nd, decode_rows, decode_mask, prefills)
+        return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills)
+
+    def _plan_decodes(self, batch: ForwardBatch, seq_lens: list[int], block_size: int, num_blocks: int,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, int, list[DecodeSegment], list[DecodeSegment]]:
+        """The gather rows of every decode segment (one tensor), the number of grouped decodes, the
+        own segments and the prefix segments."""
+        nd, groups, tables = batch.num_decodes, batch.decode_groups, batch.block_tables
+        device = tables.device
+        grouped = groups[-1].end if groups else 0
+        first_own = [0] * nd                   # each decode's first block after its group's prefix
+        expected = 0
+        for group in groups:
+            assert group.start == expected and group.end > group.start, "groups tile the first decode rows"
+            assert 0 < group.prefix_blocks and all(group.prefix_blocks * block_size < n
+                                                   for n in seq_lens[group.start:group.end]), \
+                "a group's prefix is whole blocks before each member's own token"
+            first_own[group.start:group.end] = [group.prefix_blocks] * (group.end - group.start)
+            expected = group.end
+        assert grouped <= nd, "groups hold decodes only"
+        planes = 2 * self.num_kv_heads
+        rows, own, prefixes, offset = [], [], [], 0
+        for start, end in ((0, grouped), (grouped, nd)):
+            if start == end:
+                continue
+            blocks = max(-(-seq_lens[b] // block_size) - first_own[b] for b in range(start, end))
+            first = torch.tensor(first_own[start:end], device=device)[:, None]
+            cols = first + torch.arange(blocks, device=device)                      # (n, blocks)
+            ids = tables[start:end].gather(1, cols.clamp(max=tables.shape[1] - 1))  # past the table: masked
+            keys = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).view(end - start, -1)
+            mask = _additive(keys < batch.seq_lens[start:end, None], dtype)          # (n, blocks * bs)
+            shape = (1, end - start, 1, -1) if start < grouped else (end - start, 1, 1, -1)   # see _decodes
+            own.append(DecodeSegment(start, end, offset, blocks, mask.view(shape)))
+            rows.append(_gather_rows(ids.reshape(-1), planes, num_blocks))
+            offset += (end - start) * blocks
+        for group in groups:
+            ids = tables[group.start, :group.prefix_blocks]
+            prefixes.append(DecodeSegment(group.start, group.end, offset, group.prefix_blocks, None))
+            rows.append(_gather_rows(ids, planes, num_blocks))
+            offset += group.prefix_blocks
+        return torch.cat(rows), grouped, own, prefixes
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                  plan: AttentionPlan) -> torch.Tensor:
@@ -109,12 +205,8 @@ class PagedAttention:
         t = q.shape[0]
         h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         out = q.new_empty(t, h * d)                               # (T, H * D)
-        nd = plan.num_decodes
-        if nd:
-            keys, values = self._gather(kv_layer, plan.decode_rows, nd)        # (B, KVH, ctx, D)
-            qd = q[:nd].view(nd, kvh, g, d)                        # (B, KVH, G, D)
-            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=plan.decode_mask)
-            out[:nd] = o.reshape(nd, h * d)
+        if plan.num_decodes:
+            self._decodes(q, kv_layer, plan, out)
         for chunk in plan.prefills:
             n = chunk.end - chunk.start
             qc = q[chunk.start:chunk.end].transpose(0, 1)[None]          # (1, H, n, D)
@@ -123,23 +215,60 @@ class PagedAttention:
                 vc = v[chunk.start:chunk.end].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=g > 1)
             else:
-                kc, vc = self._gather(kv_layer, chunk.rows, 1)          # (1, KVH, ctx, D)
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, enable_gqa=g > 1)
+                kv = self._blocks(self._gather(kv_layer, chunk.rows), 0, chunk.rows.shape[0] // (2 * kvh))
+                o = F.scaled_dot_product_attention(qc, kv[0][None], kv[1][None], attn_mask=chunk.mask,
+                                                   enable_gqa=g > 1)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1).reshape(n, h * d)   # (n, H * D)
         return out
 
-    def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor, num_seqs: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy blocks into the scratch buffer; returns K, V views of shape (S, KVH, ctx, D)."""
+    def _decodes(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, out: torch.Tensor) -> None:
+        """Attention of the decode rows of q (T, H, D) into out (T, H * D): grouped rows by hand (own
+        part, then each group's prefix merged in), the others by one SDPA."""
+        h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
+        buf = self._gather(kv_layer, plan.decode_rows)
+        for seg in plan.own:
+            n = seg.end - seg.start
+            keys = self._blocks(buf, seg.offset, n * seg.blocks).unflatten(2, (n, -1))   # (2, KVH, n, L, D)
+            if seg.start < plan.grouped:
+                out[seg.start:seg.end] = self._grouped(q[seg.start:seg.end], keys, seg.mask, buf, plan.prefixes)
+            else:
+                qs = q[seg.start:seg.end].view(n, kvh, g, d)                          # (n, KVH, G, D)
+                o = F.scaled_dot_product_attention(qs, keys[0].transpose(0, 1), keys[1].transpose(0, 1),
+                                                   attn_mask=seg.mask)                   # (n, KVH, G, D)
+                out[seg.start:seg.end] = o.reshape(n, h * d)
+
+    def _grouped(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, buf: torch.Tensor,
+                 prefixes: list[DecodeSegment]) -> torch.Tensor:
+        """Grouped decodes, q (n, H, D) and their own keys (2, KVH, n, L, D) -> (n, H * D)."""
+        n = q.shape[0]
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        qd = q.view(n, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)    # (KVH, n, G, D)
+        o, lse = attend(qd, keys[0], keys[1], mask)                                  # (KVH, n, G, D)
+        for seg in prefixes:
+            m = seg.end - seg.start
+            shared = self._blocks(buf, seg.offset, seg.blocks)                       # (2, KVH, P * bs, D)
+            o_pre, lse_pre = attend(qd[:, seg.start:seg.end].reshape(kvh, m * g, d), shared[0], shared[1], None)
+            weight = torch.sigmoid(lse_pre.view(kvh, m, g, 1) - lse[:, seg.start:seg.end])
+            o[:, seg.start:seg.end].lerp_(o_pre.view(kvh, m, g, d), weight.to(o.dtype))
+        return o.transpose(0, 1).reshape(n, kvh * g * d)
+
+    def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Copy the block rows `rows` (see _gather_rows) into the scratch buffer; returns it as
+        (rows, bs * D). Read it back with `_blocks`."""
         two, kvh, num_blocks, bs, d = kv_layer.shape
-        n = rows.shape[0] // (two * kvh)             # blocks, over all sequences
-        need = two * kvh * n * bs * d
+        need = rows.shape[0] * bs * d
         scratch = self._scratch
         if scratch is None or scratch.numel() < need or scratch.dtype != kv_layer.dtype \
                 or scratch.device != kv_layer.device:
             size = need if scratch is None else max(need, scratch.numel() * 3 // 2)   # grow rarely
             scratch = self._scratch = torch.empty(size, dtype=kv_layer.dtype, device=kv_layer.device)
-        buf = scratch[:need].view(two * kvh * n, bs * d)
+        buf = scratch[:need].view(rows.shape[0], bs * d)
         torch.index_select(kv_layer.view(two * kvh * num_blocks, bs * d), 0, rows, out=buf)
-        kv = buf.view(two, kvh, num_seqs, n // num_seqs * bs, d)   # (2, KVH, S, ctx, D)
-        return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+        return buf
+
+    def _blocks(self, buf: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+        """K and V of `count` blocks from block `offset` of a gather buffer filled by one `_gather_rows`
+        call per run of blocks: (2, KVH, count * bs, D), contiguous."""
+        planes = 2 * self.num_kv_heads
+        part = buf[planes * offset:planes * (offset + count)]           # (planes * count, bs * D)
+        return part.view(2, self.num_kv_heads, -1, self.head_dim)

@@ -11,13 +11,29 @@ them; prefill chunks follow, each a run of consecutive positions.
 
 K/V of token i is written to flat slot `slot_mapping[i] = block_id * block_size + offset`;
 attention reads a sequence's keys 0..seq_len-1 through its row of `block_tables`.
+
+Decodes whose block tables start with the same block ids may form a `DecodeGroup` (rows next to
+each other, groups back to back from row 0, ungrouped decodes after them): attention reads their
+shared prefix once for the whole group (see kvstrata.model.attention). Groups are optional: with
+none, every decode reads its own blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes in rows [start, end) whose block tables share their first `prefix_blocks` ids; each
+    of them has at least one key after the prefix (its own token), so the prefix is whole blocks
+    that none of them writes."""
+
+    start: int
+    end: int
+    prefix_blocks: int
 
 
 @dataclass
@@ -30,6 +46,7 @@ class ForwardBatch:
     query_start_loc: list[int]     # B + 1 ints: sequence b's tokens are [qsl[b], qsl[b + 1])
     num_decodes: int               # sequences [0, num_decodes) have exactly one query token
     logits_indices: torch.Tensor   # (S,) int64, token rows whose logits are returned, in order
+    decode_groups: list[DecodeGroup] = field(default_factory=list)   # back to back from row 0
 
     @property
     def num_tokens(self) -> int:
