@@ -8,6 +8,10 @@ device and replaced by the loaded tensors (`assign=True`), so weights are never 
 
 Q/K/V and gate/up are fused into single matmuls, which matters at decode where each matmul
 reads all its weights for a handful of rows.
+
+Once loaded, each projection is a callable (`DenseLinear` in the model dtype, or `Int8Linear`
+with `quantization="int8"`, see kvstrata.model.int8); the int8 model drops its float copies of the
+projection weights and keeps the embeddings in float for the token lookup.
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.config import QUANTIZATIONS
 from kvstrata.kvcache.buffers import PagedKVCache
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.attention import AttentionPlan, PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
-from kvstrata.model.linear import linear, split_parts
+from kvstrata.model.int8 import Int8Linear
+from kvstrata.model.linear import DenseLinear, split_parts
 from kvstrata.model.rope import RotaryTables, apply_rotary
 
 logger = logging.getLogger(__name__)
+
+Projection = DenseLinear | Int8Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,6 +63,20 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param(e, dtype=dtype)
         self.gate_up = _param(2 * i, e, dtype=dtype)
         self.down = _param(e, i, dtype=dtype)
+        self.projections: dict[str, Projection] = {}      # filled by bind_projections after loading
+
+    def bind_projections(self, quantization: str) -> None:
+        """Make the loaded weights callable; int8 quantizes them and frees the float copies."""
+        pairs = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
+        for name, bias in pairs.items():
+            weight = getattr(self, name)
+            if quantization == "int8":
+                self.projections[name] = Int8Linear.from_float(weight, bias)
+                setattr(self, name, None)
+            else:
+                self.projections[name] = DenseLinear(weight, bias, self.parts)
+        if quantization == "int8":
+            self.qkv_bias = self.o_bias = None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKVCache,
                 index: int, attn: PagedAttention, plan: AttentionPlan) -> torch.Tensor:
@@ -62,30 +84,37 @@ class DecoderLayer(nn.Module):
         a = self.arch
         t = h.shape[0]
         nh, nkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        proj = self.projections
         x = rms_norm(h, self.input_norm, a.rms_norm_eps)                          # (T, E)
-        p = self.parts
-        qkv = linear(x, self.qkv, self.qkv_bias, p)                               # (T, (H + 2 KVH) D)
+        qkv = proj["qkv"](x)                                                      # (T, (H + 2 KVH) D)
         qk = apply_rotary(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # (T, H + KVH, D)
         q, k = qk[:, :nh], qk[:, nh:]                                             # (T, H, D), (T, KVH, D)
         v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)                               # (T, KVH, D)
         kv.write(index, plan.slot_mapping, k, v)
         o = attn(q, k, v, kv.layer(index), plan)                                  # (T, H D)
-        h.add_(linear(o, self.o, self.o_bias, p))
+        h.add_(proj["o"](o))
         x = rms_norm(h, self.post_norm, a.rms_norm_eps)
-        gu = linear(x, self.gate_up, None, p)                                     # (T, 2 I)
+        gu = proj["gate_up"](x)                                                   # (T, 2 I)
         i = a.intermediate_size
-        h.add_(linear(F.silu(gu[:, :i]).mul_(gu[:, i:]), self.down, None, p))    # (T, E)
+        h.add_(proj["down"](F.silu(gu[:, :i]).mul_(gu[:, i:])))                   # (T, E)
         return h
 
 
 class LlamaModel(nn.Module):
     """Parameters start on the meta device; `load_hf_weights` makes the model runnable."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device | str,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.arch = arch
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device     # canonical: 'cuda' -> 'cuda:0'
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
+        if quantization == "int8" and (self.device.type != "cpu" or dtype != torch.float32):
+            raise ValueError("quantization int8 runs on CPU with float32 activations; "
+                             f"got device {self.device}, dtype {str(dtype).removeprefix('torch.')}")
+        self.quantization = quantization
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         outs = [arch.q_size + 2 * arch.kv_size, arch.hidden_size, 2 * arch.intermediate_size,
                 arch.vocab_size]
@@ -96,6 +125,7 @@ class LlamaModel(nn.Module):
                                                                     dtype=dtype)
         self.rope = RotaryTables(arch, dtype, self.device)
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.head: Projection | None = None                     # set by load_hf_weights
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), fuse, convert and
@@ -132,6 +162,21 @@ class LlamaModel(nn.Module):
         for name, param in self.named_parameters():
             param.requires_grad_(False)
             assert param.device == self.device, f"{name} on {param.device}"
+        for layer in self.layers:
+            layer.bind_projections(self.quantization)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.quantization == "int8":
+            self.head = Int8Linear.from_float(head)
+            self.lm_head = None                 # tied: the embeddings stay float for the lookup
+        else:
+            self.head = DenseLinear(head, None, self.parts)
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every projection, the head and the norms (the
+        embedding rows it gathers are few). The roofline figure divides these by the step time."""
+        projections = [p for layer in self.layers for p in layer.projections.values()] + [self.head]
+        norms = [self.norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        return sum(p.nbytes for p in projections) + sum(n.numel() * n.element_size() for n in norms)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
@@ -144,5 +189,4 @@ class LlamaModel(nn.Module):
         for index, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv, index, self.attn, plan)
         h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps)   # (S, E)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(h, head, None, self.parts).float()            # (S, vocab)
+        return self.head(h).float()                                 # (S, vocab)
