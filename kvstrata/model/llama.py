@@ -9,9 +9,8 @@ device and replaced by the loaded tensors (`assign=True`), so weights are never 
 Q/K/V and gate/up are fused into single matmuls, which matters at decode where each matmul
 reads all its weights for a handful of rows.
 
-Once loaded, each projection is a callable (`DenseLinear` in the model dtype, or `Int8Linear`
-with `quantization="int8"`, see kvstrata.model.int8); the int8 model drops its float copies of the
-projection weights and keeps the embeddings in float for the token lookup.
+Once loaded, each projection is a callable `proj(x)` (`DenseLinear` in the model dtype);
+`kvstrata.model.quantize` swaps them for int8 ones and drops the float weights.
 """
 
 from __future__ import annotations
@@ -22,18 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.config import QUANTIZATIONS
 from kvstrata.kvcache.buffers import PagedKVCache
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.attention import AttentionPlan, PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
-from kvstrata.model.int8 import Int8Linear
-from kvstrata.model.linear import DenseLinear, split_parts
+from kvstrata.model.linear import DenseLinear, Projection, split_parts
 from kvstrata.model.rope import RotaryTables, apply_rotary
 
 logger = logging.getLogger(__name__)
-
-Projection = DenseLinear | Int8Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,18 +60,11 @@ class DecoderLayer(nn.Module):
         self.down = _param(e, i, dtype=dtype)
         self.projections: dict[str, Projection] = {}      # filled by bind_projections after loading
 
-    def bind_projections(self, quantization: str) -> None:
-        """Make the loaded weights callable; int8 quantizes them and frees the float copies."""
-        pairs = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
-        for name, bias in pairs.items():
-            weight = getattr(self, name)
-            if quantization == "int8":
-                self.projections[name] = Int8Linear.from_float(weight, bias)
-                setattr(self, name, None)
-            else:
-                self.projections[name] = DenseLinear(weight, bias, self.parts)
-        if quantization == "int8":
-            self.qkv_bias = self.o_bias = None
+    def bind_projections(self) -> None:
+        """Make the loaded weights callable as `self.projections[name](x)`."""
+        biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
+        self.projections = {name: DenseLinear(getattr(self, name), bias, self.parts)
+                            for name, bias in biases.items()}
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKVCache,
                 index: int, attn: PagedAttention, plan: AttentionPlan) -> torch.Tensor:
@@ -103,18 +91,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Parameters start on the meta device; `load_hf_weights` makes the model runnable."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device | str,
-                 quantization: str = "none") -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.arch = arch
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device     # canonical: 'cuda' -> 'cuda:0'
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
-        if quantization == "int8" and (self.device.type != "cpu" or dtype != torch.float32):
-            raise ValueError("quantization int8 runs on CPU with float32 activations; "
-                             f"got device {self.device}, dtype {str(dtype).removeprefix('torch.')}")
-        self.quantization = quantization
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         outs = [arch.q_size + 2 * arch.kv_size, arch.hidden_size, 2 * arch.intermediate_size,
                 arch.vocab_size]
@@ -163,13 +144,8 @@ class LlamaModel(nn.Module):
             param.requires_grad_(False)
             assert param.device == self.device, f"{name} on {param.device}"
         for layer in self.layers:
-            layer.bind_projections(self.quantization)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if self.quantization == "int8":
-            self.head = Int8Linear.from_float(head)
-            self.lm_head = None                 # tied: the embeddings stay float for the lookup
-        else:
-            self.head = DenseLinear(head, None, self.parts)
+            layer.bind_projections()
+        self.head = DenseLinear(self.embed_tokens if self.lm_head is None else self.lm_head, None, self.parts)
 
     def step_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every projection, the head and the norms (the

