@@ -32,8 +32,11 @@ logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalize in float32, scale in the model dtype. Five plain ops;
-    `F.rms_norm` decomposes into about twice as many on CPU."""
+    """transformers' LlamaRMSNorm: normalize in float32, scale in the model dtype. In float32 that is
+    `F.rms_norm` (one op to dispatch, 25 vs 50 us per call at one row); in bfloat16 five plain ops,
+    since `F.rms_norm` would scale in float32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
     return weight * normed.to(x.dtype)
