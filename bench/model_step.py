@@ -1,7 +1,8 @@
 """Time one model step (decode at several batch sizes, prefill) on the default model.
 
-    .venv/bin/python bench/model_step.py                       # fp32 and bf16, 2 threads
+    .venv/bin/python bench/model_step.py                       # fp32, bf16 and int8, 2 threads
     .venv/bin/python bench/model_step.py --dtypes bfloat16 --batches 32 --profile
+    .venv/bin/python bench/model_step.py --dtypes float32 int8 --batches 1 8 --profile
     .venv/bin/python bench/model_step.py --hf          # transformers on the same weights, same shapes
     .venv/bin/python bench/model_step.py --dtypes float32 --batches 16 --ctx 1040 --shared-prefix 1024
 
@@ -12,7 +13,9 @@ rest of attention beside the whole step, then the op table.
 
 Each figure is the fastest of --repeat steps after warm-up (on a shared 2-core machine the median
 mostly measures the neighbours; it is printed too), beside what the step had to read: the weights
-(GB/s of weights per second is the roofline figure on a CPU) and the KV.
+(GB/s of weights per second is the roofline figure on a CPU) and the KV. "int8" is float32 with
+`quantization="int8"`. The models are loaded first and timed in turn for each shape, so a
+neighbour's burst hits all of them alike. --profile also counts the torch ops one step dispatches.
 Decode steps use a cache of zeros with shuffled block tables: timing does not depend on values.
 """
 
@@ -59,6 +62,9 @@ def prefill_batch(n: int, num_blocks: int, gen: torch.Generator) -> ForwardBatch
                         torch.tensor([n]), [0, n], 0, torch.tensor([n - 1]))
 
 
+WEIGHTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8")}
+
+
 def label_attention() -> None:
     """Wrap PagedAttention's gather and its whole call in profiler ranges, so a profile splits a step."""
     for name, label in (("_gather", "kv gather"), ("__call__", "attention")):
@@ -70,15 +76,18 @@ def label_attention() -> None:
         setattr(PagedAttention, name, labelled)
 
 
-def profile_step(model, batch, kv) -> None:
-    """One profiled step: gather and attention (without the gather) beside the whole step, then ops."""
+def profile_step(name: str, model, batch, kv) -> None:
+    """One profiled step: ops dispatched, gather and attention (without the gather) beside the whole
+    step, then the op table."""
     with torch.profiler.profile() as prof:
         start = time.perf_counter()
         model(batch, kv)
         step = time.perf_counter() - start
+    top = [e for e in prof.events() if e.cpu_parent is None]
     ranges = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
     gather, attention = ranges.get("kv gather", 0.0), ranges.get("attention", 0.0)
-    print(f"    profiled step {step * 1e3:.1f} ms: KV gather {gather:.1f} ms ({gather / step / 10:.0f}%), "
+    print(f"  {name:>9}: {len(top)} torch ops dispatched per step ({len(prof.events())} with the ops they call); "
+          f"profiled step {step * 1e3:.1f} ms: KV gather {gather:.1f} ms ({gather / step / 10:.0f}%), "
           f"attention without the gather {attention - gather:.1f} ms ({(attention - gather) / step / 10:.0f}%)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
@@ -114,7 +123,7 @@ def hf_decode_step(folder, dtype: torch.dtype, batch: int, ctx: int, repeat: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--ctx", type=int, default=192, help="context of every decoding sequence")
     parser.add_argument("--shared-prefix", type=int, default=0,
@@ -131,30 +140,34 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} threads, decode ctx {args.ctx} "
           f"({args.shared_prefix} shared), block {BLOCK}")
-    for dtype in args.dtypes:
-        loaded = load_model(ModelConfig(dtype=dtype, device="cpu"))
-        model = loaded.model
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    models = {}
+    for name in args.dtypes:
+        dtype, quantization = WEIGHTS[name]
+        loaded = load_model(ModelConfig(dtype=dtype, device="cpu", quantization=quantization))
         spec = KVCacheSpec.for_model(loaded.arch, BLOCK, loaded.dtype)
         num_blocks = max(max(args.batches) * -(-args.ctx // BLOCK), -(-max(args.prefills, default=0) // BLOCK)) + 1
-        kv = PagedKVCache(spec, num_blocks)
-        print(f"\n{dtype}: weights {weight_bytes / 1e6:.0f} MB, KV {spec.bytes_per_block / 1e3:.0f} kB/block")
-        runs = [(f"decode  batch {b:4d}", decode_batch(b, args.ctx, num_blocks, gen, args.shared_prefix), b) for b in args.batches]
-        runs += [(f"prefill {n:4d} tokens", prefill_batch(n, num_blocks, gen), n) for n in args.prefills]
-        for label, batch, tokens in runs:
+        models[name] = (loaded.model, PagedKVCache(spec, num_blocks), loaded.model.step_weight_bytes())
+        print(f"{name}: weights read per step {models[name][2] / 1e6:.0f} MB, "
+              f"KV {spec.bytes_per_block / 1e3:.0f} kB/block")
+    runs = [(f"decode  batch {b:4d}", decode_batch(b, args.ctx, num_blocks, gen, args.shared_prefix), b)
+            for b in args.batches]
+    runs += [(f"prefill {n:4d} tokens", prefill_batch(n, num_blocks, gen), n) for n in args.prefills]
+    for label, batch, tokens in runs:
+        print(f"\n{label}")
+        for name, (model, kv, weight_bytes) in models.items():
             seconds, median = time_step(model, batch, kv, args.repeat)
-            kv_read = batch.block_tables.unique().numel() * spec.bytes_per_block if batch.num_decodes else 0
-            print(f"  {label}: {seconds * 1e3:7.1f} ms (median {median * 1e3:7.1f})  "
+            kv_read = batch.block_tables.unique().numel() * kv.spec.bytes_per_block if batch.num_decodes else 0
+            print(f"  {name:>9}: {seconds * 1e3:7.1f} ms (median {median * 1e3:7.1f})  "
                   f"{tokens / seconds:6.0f} tok/s  weights {weight_bytes / seconds / 1e9:5.1f} GB/s  "
                   f"KV read {kv_read / 1e6:5.0f} MB")
-            if args.hf and batch.num_decodes:
-                hf, hf_median = hf_decode_step(loaded.folder, loaded.dtype, batch.num_decodes,
-                                               args.ctx, args.repeat)
-                print(f"  {'transformers':>20}: {hf * 1e3:7.1f} ms (median {hf_median * 1e3:7.1f})  "
-                      f"{tokens / hf:6.0f} tok/s")
             if args.profile:
-                profile_step(model, batch, kv)
-
+                profile_step(name, model, batch, kv)
+        if args.hf and batch.num_decodes:
+            for name in {WEIGHTS[n][0] for n in models}:       # transformers has no int8 of ours
+                hf, hf_median = hf_decode_step(loaded.folder, getattr(torch, name), batch.num_decodes,
+                                               args.ctx, args.repeat)
+                print(f"  {'transformers ' + name:>20}: {hf * 1e3:7.1f} ms (median {hf_median * 1e3:7.1f})  "
+                      f"{tokens / hf:6.0f} tok/s")
 
 if __name__ == "__main__":
     main()

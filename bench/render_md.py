@@ -13,6 +13,7 @@ from pathlib import Path
 
 NOTES_BEGIN, NOTES_END = "<!-- notes:begin -->", "<!-- notes:end -->"
 OFFLINE = (("kvstrata-float32", "kvstrata", "fp32 (torch)"), ("kvstrata-bfloat16", "kvstrata", "bf16 (torch)"),
+           ("kvstrata-int8", "kvstrata", "int8 weights, per-token int8 activations (torch)"),
            ("hf-float32", "transformers generate()", "fp32"), ("hf-bfloat16", "transformers generate()", "bf16"),
            ("llamacpp-q4_1", "llama.cpp", "Q4_1 GGUF"), ("vllm-bfloat16", "vLLM CPU", "bf16"),
            ("vllm-float32", "vLLM CPU", "fp32"))
@@ -93,11 +94,12 @@ def offline_section(offline: dict, default_dtype: str) -> list[str]:
     lines += ["", "kvstrata against the roofline (a decode step reads every weight once, whatever the batch):", "",
               "| kvstrata | case | steps | ms/step | weights read, GB/s | of measured memory bandwidth |",
               "|---|---|---:|---:|---:|---:|"]
-    for key in ("kvstrata-float32", "kvstrata-bfloat16"):
+    for key in ("kvstrata-float32", "kvstrata-bfloat16", "kvstrata-int8"):
         if key in offline:
             data = offline[key]
+            weights = "int8" if data.get("quantization", "none") == "int8" else data["dtype"]
             for c in data["cases"]:
-                lines.append(f"| {data['dtype']} ({data['weight_bytes'] / 1e6:.0f} MB) | {c['name']} | {c['steps']} | "
+                lines.append(f"| {weights} ({data['weight_bytes'] / 1e6:.0f} MB) | {c['name']} | {c['steps']} | "
                              f"{1000 * min(c['elapsed_s']) / c['steps']:.1f} | {c['weight_gb_s']:.2f} | "
                              f"{c['weight_gb_s'] / data['memory_read_gb_s']:.0%} |")
     return lines

@@ -5,7 +5,8 @@
     .venv/bin/python bench/run_all.py --render bench/results/20261129-220000   # tables from saved results
 
 Offline: the same token ids (single stream and batch 32, 128 in / 128 out) through kvstrata's
-Python API, transformers `generate`, llama.cpp and vLLM, each in its own process and venv.
+Python API (each torch dtype, and `--quantization int8`), transformers `generate`, llama.cpp and
+vLLM, each in its own process and venv.
 Served: kvstrata with prefix caching on, kvstrata with it off, and vLLM serve side by side; for
 each workload (shared-prefix, multi-turn, and shared-prefix with at most 16 requests in flight)
 `kvstrata bench serve` alternates them on the same request sequence. Peers are
@@ -113,6 +114,7 @@ def offline(out: Path, sizes: Sizes, hf_folder: str, gguf: str, patience: float)
                                   "--model", hf_folder, "--dtype", dtype]),
                  (f"vllm-{dtype}", [str(VENVS / "vllm/bin/python"), str(PEERS / "offline_vllm.py"), *peer,
                                     "--model", hf_folder, "--dtype", dtype])]
+    jobs.append(("kvstrata-int8", [str(BIN / "kvstrata"), "bench", "offline", *peer, "--quantization", "int8"]))
     jobs.append(("llamacpp-q4_1", [str(VENVS / "llamacpp/bin/python"), str(PEERS / "offline_llamacpp.py"), *peer,
                                    "--model", gguf]))
     for name, command in jobs:

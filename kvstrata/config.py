@@ -19,6 +19,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("none", "int8")
 POLICIES = ("fcfs", "priority", "lpm")
 WRITE_POLICIES = ("write_back", "write_through")
 
@@ -66,9 +67,13 @@ class ModelConfig:
     dtype: str = _opt("auto", "weight and KV dtype; auto picks the faster one for the device", DTYPES)
     device: str = _opt("auto", "where the model runs; auto takes CUDA when present", DEVICES)
     threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
+    quantization: str = _opt("none", "weights of the linear layers: none (the dtype's own) or int8 "
+                                     "(CPU only: int8 weights, activations quantized per call)", QUANTIZATIONS)
 
     def validate(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         _require(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         _require(self.threads is None or self.threads >= 1, "threads must be at least 1")
 

@@ -195,7 +195,8 @@ def run_offline(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args))
     figures = run(engine, cases, args.patience)
     bandwidth = figures["memory_read_gb_s"]
-    print(f"kvstrata {figures['dtype']}: {figures['weight_bytes'] / 1e6:.0f} MB of weights; "
+    weights = figures["dtype"] if figures["quantization"] == "none" else f"{figures['dtype']} {figures['quantization']}"
+    print(f"kvstrata {weights}: {figures['weight_bytes'] / 1e6:.0f} MB of weights read per step; "
           f"measured memory read bandwidth {bandwidth:.1f} GB/s")
     print("(figures of the fastest repeat; median output tok/s beside it)")
     print(f"{'case':<10} {'prompts':>7} {'in/out':>9} {'elapsed s':>18} {'out tok/s':>9} {'(median)':>8} "

@@ -49,6 +49,6 @@ def run_offline(engine: LLMEngine, cases: list[OfflineCase], patience: float = 0
     results = [run_case(engine, case, patience) for case in cases]
     wait_quiet(patience, "memory bandwidth")
     return {"engine": "kvstrata", "weight_bytes": weight_bytes(engine.runner.model),
-            "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+            "dtype": str(engine.loaded.dtype).removeprefix("torch."), "quantization": engine.loaded.quantization,
             "memory_read_gb_s": memory_read_bandwidth() / 1e9,
             "config": asdict(engine.config), "cases": [asdict(r) for r in results]}

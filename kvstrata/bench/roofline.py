@@ -15,8 +15,9 @@ BANDWIDTH_BUFFER_BYTES = 512 * 1024**2     # far past any last-level cache of th
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Parameter bytes (tied embeddings once: the LM head reads the matrix, the lookup a few rows)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights a decode step reads: every projection (int8 ones at their int8 size), the LM
+    head and the norms; the embedding lookup reads a few rows only."""
+    return model.step_weight_bytes()
 
 
 def memory_read_bandwidth(repeats: int = 5) -> float:

@@ -17,6 +17,9 @@ and slower elsewhere.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -44,3 +47,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, p
         y = torch.bmm(slabs, x.t().expand(parts, -1, -1)).permute(2, 0, 1)            # (M, P, out/P)
     y = y.contiguous().view(m, out)          # a copy unless M == 1
     return y if bias is None else y.add_(bias)
+
+
+class Projection(Protocol):
+    """What the decoder calls for each of its projections: `proj(x)`, x (M, in) -> (M, out)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one call reads."""
+        ...
+
+
+@dataclass(frozen=True)
+class DenseLinear:
+    """A projection in the model dtype: y = x @ weight.T + bias through `linear`. The int8
+    counterpart is `kvstrata.model.int8.Int8Linear`; both are called as `proj(x)`."""
+
+    weight: torch.Tensor           # (out, in)
+    bias: torch.Tensor | None
+    parts: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()

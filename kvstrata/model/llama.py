@@ -8,6 +8,9 @@ device and replaced by the loaded tensors (`assign=True`), so weights are never 
 
 Q/K/V and gate/up are fused into single matmuls, which matters at decode where each matmul
 reads all its weights for a handful of rows.
+
+Once loaded, each projection is a callable `proj(x)` (`DenseLinear` in the model dtype);
+`kvstrata.model.quantize` swaps them for int8 ones and drops the float weights.
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ from kvstrata.kvcache.buffers import PagedKVCache
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.attention import AttentionPlan, PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
-from kvstrata.model.linear import linear, split_parts
+from kvstrata.model.linear import DenseLinear, Projection, split_parts
 from kvstrata.model.rope import RotaryTables, apply_rotary
 
 logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalize in float32, scale in the model dtype. Five plain ops;
-    `F.rms_norm` decomposes into about twice as many on CPU."""
+    """transformers' LlamaRMSNorm: normalize in float32, scale in the model dtype. In float32 that is
+    `F.rms_norm` (one op to dispatch, 25 vs 50 us per call at one row); in bfloat16 five plain ops,
+    since `F.rms_norm` would scale in float32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
     return weight * normed.to(x.dtype)
@@ -55,6 +61,13 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param(e, dtype=dtype)
         self.gate_up = _param(2 * i, e, dtype=dtype)
         self.down = _param(e, i, dtype=dtype)
+        self.projections: dict[str, Projection] = {}      # filled by bind_projections after loading
+
+    def bind_projections(self) -> None:
+        """Make the loaded weights callable as `self.projections[name](x)`."""
+        biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
+        self.projections = {name: DenseLinear(getattr(self, name), bias, self.parts)
+                            for name, bias in biases.items()}
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKVCache,
                 index: int, attn: PagedAttention, plan: AttentionPlan) -> torch.Tensor:
@@ -62,19 +75,19 @@ class DecoderLayer(nn.Module):
         a = self.arch
         t = h.shape[0]
         nh, nkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        proj = self.projections
         x = rms_norm(h, self.input_norm, a.rms_norm_eps)                          # (T, E)
-        p = self.parts
-        qkv = linear(x, self.qkv, self.qkv_bias, p)                               # (T, (H + 2 KVH) D)
+        qkv = proj["qkv"](x)                                                      # (T, (H + 2 KVH) D)
         qk = apply_rotary(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # (T, H + KVH, D)
         q, k = qk[:, :nh], qk[:, nh:]                                             # (T, H, D), (T, KVH, D)
         v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)                               # (T, KVH, D)
         kv.write(index, plan.slot_mapping, k, v)
         o = attn(q, k, v, kv.layer(index), plan)                                  # (T, H D)
-        h.add_(linear(o, self.o, self.o_bias, p))
+        h.add_(proj["o"](o))
         x = rms_norm(h, self.post_norm, a.rms_norm_eps)
-        gu = linear(x, self.gate_up, None, p)                                     # (T, 2 I)
+        gu = proj["gate_up"](x)                                                   # (T, 2 I)
         i = a.intermediate_size
-        h.add_(linear(F.silu(gu[:, :i]).mul_(gu[:, i:]), self.down, None, p))    # (T, E)
+        h.add_(proj["down"](F.silu(gu[:, :i]).mul_(gu[:, i:])))                   # (T, E)
         return h
 
 
@@ -96,6 +109,7 @@ class LlamaModel(nn.Module):
                                                                     dtype=dtype)
         self.rope = RotaryTables(arch, dtype, self.device)
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.head: Projection | None = None                     # set by load_hf_weights
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), fuse, convert and
@@ -132,6 +146,16 @@ class LlamaModel(nn.Module):
         for name, param in self.named_parameters():
             param.requires_grad_(False)
             assert param.device == self.device, f"{name} on {param.device}"
+        for layer in self.layers:
+            layer.bind_projections()
+        self.head = DenseLinear(self.embed_tokens if self.lm_head is None else self.lm_head, None, self.parts)
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every projection, the head and the norms (the
+        embedding rows it gathers are few). The roofline figure divides these by the step time."""
+        projections = [p for layer in self.layers for p in layer.projections.values()] + [self.head]
+        norms = [self.norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        return sum(p.nbytes for p in projections) + sum(n.numel() * n.element_size() for n in norms)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
@@ -144,5 +168,4 @@ class LlamaModel(nn.Module):
         for index, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv, index, self.attn, plan)
         h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps)   # (S, E)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(h, head, None, self.parts).float()            # (S, vocab)
+        return self.head(h).float()                                 # (S, vocab)

