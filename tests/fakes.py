@@ -224,6 +224,7 @@ def make_tiered_scheduler(num_blocks=16, num_host_blocks=8, block_size=4, store=
                           faults: FaultInjector | None = None, **cache):
     """A scheduler over device + host + store tiers with fakes, and the fakes to drive them.
 
+    `store` is True (a new FakeStore), False (none) or a FakeStore to share with another scheduler.
     With `faults`, the mover's copies, encodes and decodes raise when the injector says so.
     """
     cache_config = CacheConfig(block_size=block_size, num_device_blocks=num_blocks, num_host_blocks=num_host_blocks,
@@ -231,7 +232,8 @@ def make_tiered_scheduler(num_blocks=16, num_host_blocks=8, block_size=4, store=
                                **cache)
     cache_config.validate()
     runner = FakeRunner(num_blocks, block_size)
-    executor, clock, fake_store = ManualExecutor(), FakeClock(), FakeStore() if store else None
+    fake_store = store if isinstance(store, FakeStore) else FakeStore() if store else None
+    executor, clock = ManualExecutor(), FakeClock()
     mover = FakeMover(runner, num_host_blocks)
     tiers = TierManager(cache_config, num_blocks, num_host_blocks, store=fake_store,
                         mover=mover if faults is None else FaultyMover(mover, faults), executor=executor,

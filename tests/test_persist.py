@@ -3,7 +3,7 @@
 
 from fakes import make_request, make_tiered_scheduler, step
 
-from kvstrata.kvcache import tiers as tiers_module
+from kvstrata.kvcache import store_io as store_io_module
 
 PROMPT = list(range(1, 18))                        # 4 full blocks of 4 tokens, and one token more
 
@@ -30,8 +30,7 @@ def test_persisted_blocks_are_hit_by_the_next_process():
     assert not tiers.has_transfers
 
     # A new process: fresh tiers over the same store.
-    again, runner2, executor2, _, _ = make_tiered_scheduler()
-    again.tiers.store = store
+    again, runner2, executor2, _, _ = make_tiered_scheduler(store=store)
     second = serve(again, runner2, executor2, make_request("b", PROMPT))
     assert second.num_cached_tokens == 16            # every full prompt block, from the store
     assert second.output_token_ids == first.output_token_ids
@@ -52,7 +51,7 @@ def test_persist_waits_instead_of_dropping_when_writes_are_queued(monkeypatch):
     scheduler, runner, executor, _, store = make_tiered_scheduler()
     serve(scheduler, runner, executor, make_request("a", PROMPT))
     tiers = scheduler.tiers
-    monkeypatch.setattr(tiers_module, "MAX_PENDING_WRITES", 2)
+    monkeypatch.setattr(store_io_module, "MAX_PENDING_WRITES", 2)
     started = []
     while tiers.num_unpersisted:
         started.append(tiers.persist())

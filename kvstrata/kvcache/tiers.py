@@ -51,20 +51,19 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from kvstrata.config import CacheConfig
 from kvstrata.kvcache.block_pool import Block, BlockPool, BlockState, EvictedBlock, PoolCounts
 from kvstrata.kvcache.hashing import BlockHash
+from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.transfers import BlockMover, Executor, LoadTransfer
 from kvstrata.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 MAX_UNPERSISTED = 16384        # full blocks remembered for persist(); the oldest are forgotten beyond
-MAX_PENDING_WRITES = 256        # store writes queued (or abandoned and still running) beyond this are dropped
-REMEMBERED_STORED = 65536       # hashes known to be in the store, so they are not written twice
 
 
 @dataclass
@@ -164,52 +163,6 @@ class RequestBlocks:
         self.block_ids.extend(block.block_id for block in blocks)
 
 
-@dataclass
-class CacheStats:
-    """Counters since start, read by metrics and benchmarks."""
-
-    prompt_tokens: int = 0
-    hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "store": 0})
-    evicted_blocks: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
-    offloaded_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "store": 0})
-    loaded_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "store": 0})
-    load_failures: dict[str, int] = field(default_factory=dict)      # by reason
-    store_errors: dict[str, int] = field(default_factory=dict)       # by kind
-    faults: dict[str, int] = field(default_factory=dict)             # copies / encodes / decodes that raised
-    dropped_writes: int = 0
-    orphaned_loads: int = 0            # loads whose request let go before they landed
-    load_seconds: float = 0.0
-
-    def count(self, table: dict[str, int], key: str, n: int = 1) -> None:
-        table[key] = table.get(key, 0) + n
-
-
-@dataclass
-class _Probe:
-    """Which of a request's block hashes the store holds: the last answer, and a lookup out for a newer one.
-
-    After a lookup failed or timed out, the next one runs in the background while plan() uses the
-    last answer: a store that hangs costs one `store_timeout` per request, not one per step.
-    """
-
-    hits: list[bool] | None = None     # the last answer; None until one arrives
-    answered: int = -1                 # the step of the last answer (a failed or late lookup answers "none")
-    landed: int = -1                   # writes landed when the lookup of `hits` was sent
-    failed: bool = False               # the last lookup failed or timed out
-    future: Future | None = None       # the lookup out now
-    asked_landed: int = -1             # writes landed when `future` was sent
-    deadline: float = 0.0
-
-
-@dataclass
-class _Write:
-    """A store put or delete running off the step loop. Past its deadline the engine stops waiting."""
-
-    future: Future
-    hashes: list[BlockHash]            # the blocks a put writes: forgotten as stored if it fails
-    deadline: float
-
-
 class TierManager:
     """Owns the tiers' pools, every request's block table and every transfer record."""
 
@@ -223,21 +176,16 @@ class TierManager:
         self.store = store
         assert (self.host is None and store is None) or mover is not None, "lower tiers need a BlockMover"
         self.mover = mover
-        self.executor = executor or (ThreadPoolExecutor(4, thread_name_prefix="kvstrata-store") if store else None)
         self.clock = clock
-        self.probe_wait = probe_wait
         self._step = 0
         self.reservation = DecodeReservation.from_config(config)
         self.stats = CacheStats()
+        self.store_io = None if store is None else StoreIO(
+            store, executor or ThreadPoolExecutor(4, thread_name_prefix="kvstrata-store"), clock,
+            config.store_timeout, self.stats, probe_wait)
         self._tables: dict[str, RequestBlocks] = {}
         self._loading: dict[str, RequestBlocks] = {}      # the tables whose request waits on a load
-        self._probes: dict[str, _Probe] = {}
         self._orphans: list[LoadTransfer] = []
-        self._writes: list[_Write] = []
-        self._abandoned: list[Future] = []             # writes given up on that still occupy the executor
-        # Hashes this engine wrote to the store -> the order their write landed in (inf while pending).
-        self._stored: OrderedDict[BlockHash, float] = OrderedDict()
-        self._num_landed = 0
         self._computing: dict[BlockHash, int] = {}      # announced block hashes -> how many requests
         self._unpersisted: OrderedDict[BlockHash, tuple[int, ...]] = OrderedDict()   # see persist()
 
@@ -255,7 +203,7 @@ class TierManager:
     @property
     def has_transfers(self) -> bool:
         """Loads or writes still running (the engine keeps stepping until they settle)."""
-        return bool(self._orphans or self._writes or self._loading)
+        return bool(self._orphans or self._loading or (self.store_io is not None and self.store_io.has_writes))
 
     def _max_hit_blocks(self, request: Request) -> int:
         """Full blocks a hit may cover: the last token is always computed, for its logits."""
@@ -293,53 +241,21 @@ class TierManager:
     def prepare(self, request: Request) -> bool:
         """Make sure plan() sees an answer from the store about this request's blocks.
 
-        A lookup runs on the executor, waited for at most `probe_wait` seconds here: False while it is
-        out. An answer older than one step is asked again (blocks reach the store all the time). A
+        A lookup runs on the store executor, waited for at most `probe_wait` seconds here: False while
+        it is out. An answer older than one step is asked again (blocks reach the store all the time). A
         lookup that failed or ran past `store_timeout` answers "no hits", once, is not asked again
         until the next step but one, and the lookup after it is not waited for.
         """
-        if self.store is None or not self.config.enable_prefix_caching:
+        if self.store_io is None or not self.config.enable_prefix_caching:
             return True
-        probe = self._probes.get(request.request_id)
-        if probe is None or (probe.future is None and probe.answered < self._step - 1):
+        if self.store_io.needs_lookup(request.request_id, self._step):
             limit = self._max_hit_blocks(request)
             local = len(self._match(self.device, request, 0, limit))
             local += len(self._match(self.host, request, local, limit))
             if local >= limit:
                 return True                               # nothing left for the store to supply
-            probe = self._probes.setdefault(request.request_id, _Probe())
-            self._ask(probe, request.block_hashes[:limit])
-            if probe.future is not None and not probe.failed:
-                wait([probe.future], timeout=self.probe_wait)
-        if probe.future is not None:
-            self._collect(probe)
-        return probe.hits is not None and (probe.future is None or probe.failed)
-
-    def _ask(self, probe: _Probe, hashes: list[BlockHash]) -> None:
-        try:
-            probe.future = self.executor.submit(self.store.exists, hashes)
-            probe.asked_landed = self._num_landed
-        except Exception as exc:                          # the executor refused (shut down): no hits
-            self._store_error(exc)
-            probe.hits, probe.answered, probe.failed = [], self._step, True
-            return
-        probe.deadline = self.clock() + self.config.store_timeout
-
-    def _collect(self, probe: _Probe) -> None:
-        """Take the lookup's answer if it came; past its deadline, give up on it (one timeout)."""
-        if probe.future.done():
-            try:
-                probe.hits, probe.failed = list(probe.future.result()), False
-                probe.landed = probe.asked_landed
-            except Exception as exc:                      # a failed lookup is no hit
-                self._store_error(exc)
-                probe.hits, probe.failed = [], True
-        elif self.clock() >= probe.deadline:
-            self.stats.count(self.stats.store_errors, "timeout")
-            probe.hits, probe.failed = [], True
-        else:
-            return
-        probe.future, probe.answered = None, self._step
+            self.store_io.look_up(request.request_id, request.block_hashes[:limit], self._step)
+        return self.store_io.answered(request.request_id, self._step)
 
     def plan(self, request: Request, max_new_tokens: int, whole: bool = False) -> AdmissionPlan | None:
         """Plan admitting `request` with a chunk of at most `max_new_tokens`; None if it does not fit.
@@ -384,21 +300,9 @@ class TierManager:
         return self._computing_block(request, sum(map(len, self._hits(request))))
 
     def _store_hits(self, request: Request, start: int, stop: int) -> list[BlockHash]:
-        """Blocks the store holds: by the last lookup's answer, or because a write of this engine landed
-        after that lookup was sent, or is still running (a load queued behind it finds the record, or
-        misses and recomputes). A write that landed before the lookup is what the lookup saw."""
-        if self.store is None:
+        if self.store_io is None:
             return []
-        probe = self._probes.get(request.request_id)
-        found = probe.hits if probe is not None and probe.hits else []
-        since = probe.landed if probe is not None else -1
-        hashes = []
-        for index in range(start, stop):
-            block_hash = request.block_hashes[index]
-            if not ((index < len(found) and found[index]) or self._stored.get(block_hash, -1) > since):
-                break
-            hashes.append(block_hash)
-        return hashes
+        return self.store_io.hits(request.request_id, request.block_hashes, start, stop)
 
     def fits(self, plan: AdmissionPlan) -> bool:
         return plan.num_blocks_needed <= self.device.num_available
@@ -447,7 +351,8 @@ class TierManager:
             for step in reversed(undo):
                 step()
             raise
-        self._probes.pop(request.request_id, None)
+        if self.store_io is not None:
+            self.store_io.forget_lookup(request.request_id)
         self._offload_evicted(evicted + evicted_for_targets)
         num_host_loaded = len(host_targets) if self._copy_host_hits(plan, host_targets) else 0
         if num_host_loaded < len(host_targets) and rb.load is not None:
@@ -476,7 +381,7 @@ class TierManager:
         first = len(plan.hit_blocks) + len(plan.load_host)
         tokens = [tuple(request.token_ids[(first + i) * size:(first + i + 1) * size]) for i in range(len(targets))]
         started = self.clock()
-        future = self.executor.submit(self.store.get, list(plan.load_store))
+        future = self.store_io.get(list(plan.load_store))
         return LoadTransfer(request, targets, list(plan.load_store), tokens, future, started,
                             started + self.config.store_timeout, first_admission)
 
@@ -578,7 +483,8 @@ class TierManager:
 
     def release(self, request: Request) -> None:
         """Return every block the request holds, tail first; a pending load is left to settle on its own."""
-        self._probes.pop(request.request_id, None)
+        if self.store_io is not None:
+            self.store_io.forget_lookup(request.request_id)
         rb = self._tables.pop(request.request_id, None)
         if rb is None:
             return
@@ -646,12 +552,12 @@ class TierManager:
     def _write_to_store(self, tier: str, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
         """Snapshot the block's record now (its buffer may be reused next) and write it off the step loop.
 
-        The hash counts as stored from now on, so it is not written twice; a write that fails or
-        runs past its deadline is forgotten, so a later eviction of the block writes it again.
+        A block this engine wrote (or is writing) is not written twice; a write that fails or runs
+        past its deadline is forgotten, so a later eviction of the block writes it again.
         """
-        if self.store is None or block_hash in self._stored:
+        if self.store_io is None or self.store_io.wrote(block_hash):
             return
-        if not self._has_write_room():
+        if not self.store_io.has_room():
             self.stats.dropped_writes += 1
             return
         try:
@@ -659,55 +565,7 @@ class TierManager:
         except Exception as exc:
             self._fault("encode", exc)
             return
-        if not self._submit_write(self.store.put, [(block_hash, record)], [block_hash]):
-            return
-        self._stored[block_hash] = math.inf
-        if len(self._stored) > REMEMBERED_STORED:
-            self._stored.popitem(last=False)
-
-    def _submit_write(self, fn: Callable, argument: list, hashes: list[BlockHash]) -> bool:
-        try:
-            future = self.executor.submit(fn, argument)
-        except Exception as exc:                          # the executor refused (shut down)
-            self._store_error(exc)
-            return False
-        self._writes.append(_Write(future, hashes, self.clock() + self.config.store_timeout))
-        return True
-
-    def _settle_writes(self) -> None:
-        self._writes = [w for w in self._writes if not self._settle_write(w)]
-        self._abandoned = [f for f in self._abandoned if not f.done()]
-
-    def _settle_write(self, write: _Write) -> bool:
-        """Account a finished (or overdue) write; False while it may still finish in time."""
-        if write.future.done():
-            try:
-                write.future.result()
-            except Exception as exc:
-                self._store_error(exc)
-                self._forget_stored(write.hashes)
-                return True
-            self.stats.count(self.stats.offloaded_blocks, "store", len(write.hashes))
-            for block_hash in write.hashes:
-                if block_hash in self._stored:
-                    self._num_landed += 1
-                    self._stored[block_hash] = self._num_landed
-            return True
-        if self.clock() < write.deadline:
-            return False
-        self.stats.count(self.stats.store_errors, "timeout")
-        self._forget_stored(write.hashes)
-        self._abandoned.append(write.future)
-        return True
-
-    def _forget_stored(self, hashes: list[BlockHash]) -> None:
-        for block_hash in hashes:
-            self._stored.pop(block_hash, None)
-
-    def _store_error(self, exc: Exception) -> None:
-        kind = getattr(exc, "kind", type(exc).__name__)
-        self.stats.count(self.stats.store_errors, kind)
-        logger.warning("store error (%s): %s", kind, exc)
+        self.store_io.put(block_hash, record)
 
     # ---- persistence ----------------------------------------------------------------------------
     # Write-back sends a block to the store only when host evicts it, so a process that stops
@@ -716,7 +574,7 @@ class TierManager:
     # calls it when it has nothing else to do and, with no limit, at close. A block that left both
     # tiers meanwhile went to the store by eviction (or was lost with a dropped write).
     def _remember_unpersisted(self, block: Block) -> None:
-        if self.store is None or not self.config.persist or block.block_hash in self._stored:
+        if self.store_io is None or not self.config.persist or self.store_io.wrote(block.block_hash):
             return
         self._unpersisted[block.block_hash] = block.token_ids
         if len(self._unpersisted) > MAX_UNPERSISTED:
@@ -734,7 +592,7 @@ class TierManager:
         the rest waits for the next call.
         """
         started = 0
-        while self._unpersisted and (limit is None or started < limit) and self._has_write_room():
+        while self._unpersisted and (limit is None or started < limit) and self.store_io.has_room():
             block_hash, token_ids = self._unpersisted.popitem(last=False)
             for tier, pool in (("device", self.device), ("host", self.host)):
                 block = pool.lookup(block_hash, token_ids) if pool is not None else None
@@ -743,11 +601,6 @@ class TierManager:
                     started += 1
                     break
         return started
-
-    def _has_write_room(self) -> bool:
-        """Whether _write_to_store would take one more write now (rather than drop it)."""
-        self._settle_writes()
-        return len(self._writes) + len(self._abandoned) < MAX_PENDING_WRITES
 
     # ---- settling loads -------------------------------------------------------------------------
     def poll_loads(self) -> list[Request]:
@@ -761,14 +614,14 @@ class TierManager:
                 del self._loading[rb.request.request_id]
                 ready.append(rb.request)
         self._orphans = [load for load in self._orphans if self._settle(load) is None]
-        self._settle_writes()
+        if self.store_io is not None:
+            self.store_io.settle()
         return ready
 
     def wait_for_transfers(self, timeout: float) -> None:
         """Block until some transfer may have settled (the engine calls this when it has nothing else)."""
         pending = [rb.load.future for rb in self._loading.values()] + [t.future for t in self._orphans]
-        pending += [w.future for w in self._writes]
-        pending += [p.future for p in self._probes.values() if p.future is not None]
+        pending += self.store_io.pending() if self.store_io is not None else []
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
@@ -783,7 +636,7 @@ class TierManager:
             try:
                 records = load.future.result()
             except Exception as exc:
-                self._store_error(exc)
+                self.store_io.error(exc)
                 reason, records = "error", []
         elif self.clock() >= load.deadline:
             reason, records = "timeout", []
@@ -803,8 +656,7 @@ class TierManager:
                     reason = "decode"
                     break
                 logger.warning("dropping a bad store record (%s): %s", reason, exc)
-                self._submit_write(self.store.delete, [block_hash], [])
-                self._stored.pop(block_hash, None)
+                self.store_io.delete(block_hash)
                 break
             loaded += 1
         if loaded < len(load.targets):
