@@ -165,8 +165,15 @@ class Scheduler:
         return SchedulerOutput(chunks, preempted)
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        deferred: list[Request] = []        # waiting for blocks another request is computing now
+        try:
+            return self._admit_in_order(budget, chunks, deferred)
+        finally:                            # even if a commit raised: the passed-over requests still wait
+            for request in deferred:
+                self._enqueue(request)
+
+    def _admit_in_order(self, budget: int, chunks: list[ScheduledChunk], deferred: list[Request]) -> int:
         whole = not self.config.enable_chunked_prefill
-        deferred: list[Request] = []
         for request in self._admission_order():
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
@@ -190,8 +197,6 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, plan.num_new_tokens))
             budget -= plan.num_new_tokens
-        for request in deferred:
-            self._enqueue(request)
         return budget
 
     def _admission_order(self) -> Iterable[Request]:

@@ -228,3 +228,25 @@ def test_without_prefix_caching_nothing_waits_for_blocks_being_computed():
     step(s, r)
     s.add_request(make_request("b", prefix + [92], max_tokens=2))
     assert "b" in [c.request.request_id for c in step(s, r).chunks]
+
+
+def test_a_request_passed_over_still_waits_when_a_later_commit_raises(monkeypatch):
+    """b is passed over (its next block is being computed); c's commit raises: b must still be queued."""
+    prefix = list(range(1, 41))
+    s = make_scheduler(num_blocks=48, max_num_batched_tokens=24, max_model_len=64)
+    r = runner_for(s)
+    s.add_request(make_request("a", prefix + [91], max_tokens=2))
+    step(s, r)
+    s.add_request(make_request("b", prefix + [92], max_tokens=2))
+    s.add_request(make_request("c", [7, 7, 7], max_tokens=2))
+
+    def commit_raises(plan):
+        raise RuntimeError("injected: commit failed")
+    monkeypatch.setattr(s.tiers, "commit", commit_raises)
+    with pytest.raises(RuntimeError, match="injected"):
+        s.schedule()
+    assert [q.request_id for q in s.waiting_requests()] == ["b", "c"] and s.in_step[-1].request_id == "c"
+    s.audit()
+    monkeypatch.undo()
+    while s.has_unfinished:
+        step(s, r)
