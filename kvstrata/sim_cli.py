@@ -29,6 +29,7 @@ from kvstrata.traces import read_mooncake
 CAPACITIES = ("device_cache_tokens", "host_cache_tokens", "store_cache_tokens")
 DEFAULT_PROFILE = Path("bench/profiles/cpu-2core-smollm2.json")
 FROM_PROFILE = -1       # --device-cache-tokens default: what the profile's hardware holds
+OVERLOAD_FACTOR = 1.25  # a run this much longer than its arrivals' span was limited by the fleet, not by arrivals
 
 
 def tokens(text: str) -> int | None:
@@ -129,6 +130,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     labels = [""] if args.sweep is None else [f"{name}={'inf' if v is None else f'{v:,}'}" for v, _ in results]
     for label, (_, result) in zip(labels, results):
         print(headline(result.to_json(), f"{label}: " if label else ""))
+        warning = overload_warning(trace, result.to_json(), result.config.instances)
+        if warning:
+            print(f"{label + ': ' if label else ''}{warning}")
     if args.plot is not None:
         from kvstrata.sim_plots import plot_hit_rate, plot_ttft_cdf
         paths = [plot_ttft_cdf([r for _, r in results], labels, args.plot / "ttft_cdf.png")]
@@ -163,6 +167,19 @@ def run_validation(args: argparse.Namespace) -> int:
         print(f"{name:20}{row['engine']:12.4f}{row['simulator']:12.4f}{error:>10}")
     write_json(args.output_json, report)
     return 0
+
+
+def overload_warning(trace, report: dict, instances: int) -> str | None:
+    """A warning when arrivals outran the fleet: the run lasted well past the arrivals' span and the
+    median request waited a tenth of that span for its first token, so TTFT measures the queue."""
+    span = trace[-1].arrival - trace[0].arrival if trace else 0.0
+    factor = report["simulated_s"] / span if span > 0 else 0.0
+    if factor < OVERLOAD_FACTOR or report["ttft_s"]["p50"] < 0.1 * span:
+        return None
+    return (f"warning: arrivals exceed what {instances} engine{'s' if instances > 1 else ''} can serve: the run "
+            f"lasted {report['simulated_s']:,.0f} s for {span:,.0f} s of arrivals ({factor:.1f}x), so TTFT mostly "
+            f"measures the queue; try --instances {min(math.ceil(instances * factor), len(trace))} (or --time-scale "
+            f"{factor:.1f} for this fleet at a rate it sustains)")
 
 
 def write_json(path: Path | None, report: dict) -> None:

@@ -7,6 +7,7 @@ the real conversation trace when `../shared/data/traces/` is present.
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -276,3 +277,16 @@ def test_the_simulator_never_imports_torch(trace_file):
     code = ("import sys; from kvstrata.sim_cli import simulate; from kvstrata.simulator import Simulator; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_simulate_warns_when_arrivals_outrun_the_fleet(trace_file):
+    """The same trace squeezed into a few seconds overloads one engine: the CLI says so, by how much,
+    and how many engines to try; spread out, it does not."""
+    flags = ("simulate", "--trace", str(trace_file), "--block-size", "64", "--max-input-tokens", "3000",
+             "--max-output-tokens", "8", "--hardware", "cpu-2core", "--model", "smollm2-135m")
+    squeezed = _cli(*flags, "--time-scale", "0.01")
+    assert "warning: arrivals exceed what 1 engine can serve" in squeezed
+    suggested = int(re.search(r"try --instances (\d+)", squeezed).group(1))
+    assert suggested >= 2
+    relaxed = _cli(*flags, "--time-scale", "50")
+    assert "warning" not in relaxed
