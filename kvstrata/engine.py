@@ -156,14 +156,14 @@ class LLMEngine:
         output = None
         try:
             output = self.scheduler.schedule()
-            scheduled = time.perf_counter()
+            self.stats.schedule_seconds += time.perf_counter() - started
             if output.is_empty:
                 self.tiers.wait_for_transfers(timeout=0.005)    # only transfers are running: do not spin
             if self.faults is not None and not output.is_empty:
                 self.faults.check("execute")
+            executed = time.perf_counter()
             result = self.runner.execute(output)
-            self.stats.schedule_seconds += scheduled - started
-            self.stats.model_seconds += time.perf_counter() - scheduled
+            self.stats.model_seconds += time.perf_counter() - executed
             finished = self.scheduler.update(output, result.token_ids)
             outputs = self._outputs(output, result, finished)
         except Exception as exc:
