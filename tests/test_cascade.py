@@ -168,6 +168,30 @@ def test_cascade_in_bfloat16_stays_close_to_plain(tiny_folder):
     decode_twins(loaded, families, [loner(19, 4, blocks, rng)], steps=4, atol=0.1)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_float64_attention_gives_every_path_the_same_bits(tiny_folder, exact):
+    """`compute_dtype=float64` (what int8 models use): grouped and plain decodes, and a chunk after
+    a cached prefix against a one-piece prefill, give bit-identical float32 logits. Plain float32
+    attention is shown to differ on the same work, so the test can tell the two apart."""
+    loaded = load_model(ModelConfig(model=str(tiny_folder[0]), dtype="float32", device="cpu"))
+    loaded.model.attn.compute_dtype = torch.float64 if exact else None
+    rng, blocks = random.Random(5), Blocks(5)
+    kv = new_cache(loaded, NUM_BLOCKS, BLOCK)
+    tokens = [rng.randrange(VOCAB) for _ in range(90)]
+    whole, split = Seq(tokens, blocks.take(23)), Seq(list(tokens), blocks.take(23))
+    run_step(loaded.model, kv, [(whole, 90)])
+    run_step(loaded.model, kv, [(split, 36)])                        # as if a cache hit had left 36
+    run_step(loaded.model, kv, [(split, 54)])
+    same_prefill = torch.equal(torch.stack(whole.logits[36:]), torch.stack(split.logits[36:]))
+    families = [family(4, 14, 4, blocks, rng), family(3, 8, 4, blocks, rng)]
+    try:
+        decode_twins(loaded, families, [loner(19, 4, blocks, rng)], steps=4, atol=0)
+        same_decodes = True
+    except AssertionError:
+        same_decodes = False
+    assert (same_prefill and same_decodes) if exact else not (same_prefill and same_decodes)
+
+
 def test_group_decodes_picks_the_groups_that_save_most():
     """The module docstring's example: block size 4, every decode at 18 tokens (4 shareable blocks)."""
     tables = [[7, 8, 9, 1, 11], [7, 8, 9, 2, 12], [7, 8, 9, 4, 13], [7, 5, 6, 3, 14], [7, 5, 6, 10, 15]]

@@ -38,6 +38,16 @@ small one does not pay (see kvstrata.model.prefix_groups.GROUP_COST_TOKENS). Dec
 distinct contexts still copy each of their blocks once per layer and step: 25% of a batch-32
 step at 600 tokens, SDPA another 28%.
 
+Exact attention for int8 models (`compute_dtype=torch.float64`). Each kernel above sums in an
+order that depends on the call's shapes (SDPA's tiles follow the key count and the query count; a
+chunk after a cache hit sees a different call than a one-piece prefill; grouped decodes take
+`attend`), so the same query row gets float32 results that differ in the last bits from path to
+path. A float32 model shrugs that off, but int8 activations round it into whole quantization
+steps: greedy outputs with caching on and off then part ways (8 of 25 prompts in
+tests/test_int8.py). Summing in float64 and rounding the result to float32 makes every path give
+the same float32 value unless the exact one lies within ~1e-16 of a rounding boundary. Cost: the
+gathered K/V is converted once per layer, and the matmuls run at half the float32 rate.
+
 GQA without copying K/V: a decode's query heads are grouped as (.., KVH, G, D) so each kv head
 is attended by G query rows. Prefill inputs to SDPA are 4-D: PyTorch's CPU SDPA takes its fused
 (flash) kernel only for 4-D tensors and falls back to unfused math for 3-D ones.
@@ -105,9 +115,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """softmax(q k^T + mask) v and each query's log-sum-exp of scores (float32, trailing dim 1).
 
     q (..., Lq, D) already scaled, k / v (..., Lk, D); every query must see at least one key.
-    Scores and their sums are float32 whatever the model dtype (as SDPA accumulates)."""
+    Scores and their sums are at least float32 whatever the model dtype (as SDPA accumulates)."""
     s = torch.matmul(q, k.transpose(-1, -2))                       # (..., Lq, Lk)
-    if s.dtype != torch.float32:
+    if s.dtype.itemsize < 4:
         s = s.float()
     if mask is not None:
         s.add_(mask)
@@ -123,11 +133,13 @@ class PagedAttention:
     """Attention over a `PagedKVCache` layer. Holds a grow-only gather buffer reused by every layer
     and every step, so reading the cache allocates nothing after warm-up."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
+        self.compute_dtype = compute_dtype        # None: the KV cache's dtype; see "Exact attention"
         self._scratch: torch.Tensor | None = None
 
     def plan(self, batch: ForwardBatch, block_size: int, num_blocks: int, dtype: torch.dtype) -> AttentionPlan:
@@ -135,6 +147,7 @@ class PagedAttention:
         `num_blocks` is the size of the cache the blocks are gathered from."""
         planes = 2 * self.num_kv_heads
         device = batch.input_ids.device
+        dtype = self.compute_dtype or dtype
         qsl = batch.query_start_loc
         seq_lens = batch.seq_lens.tolist()      # one host copy per forward (a sync on CUDA)
         nd = batch.num_decodes
@@ -204,7 +217,9 @@ class PagedAttention:
         """
         t = q.shape[0]
         h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
-        out = q.new_empty(t, h * d)                               # (T, H * D)
+        out = q.new_empty(t, h * d)                               # (T, H * D), in the model's dtype
+        if self.compute_dtype is not None:
+            q, k, v = q.to(self.compute_dtype), k.to(self.compute_dtype), v.to(self.compute_dtype)
         if plan.num_decodes:
             self._decodes(q, kv_layer, plan, out)
         for chunk in plan.prefills:
@@ -216,6 +231,7 @@ class PagedAttention:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=g > 1)
             else:
                 kv = self._blocks(self._gather(kv_layer, chunk.rows), 0, chunk.rows.shape[0] // (2 * kvh))
+                kv = kv if self.compute_dtype is None else kv.to(self.compute_dtype)
                 o = F.scaled_dot_product_attention(qc, kv[0][None], kv[1][None], attn_mask=chunk.mask,
                                                    enable_gqa=g > 1)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1).reshape(n, h * d)   # (n, H * D)
@@ -226,6 +242,7 @@ class PagedAttention:
         part, then each group's prefix merged in), the others by one SDPA."""
         h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         buf = self._gather(kv_layer, plan.decode_rows)
+        buf = buf if self.compute_dtype is None else buf.to(self.compute_dtype)
         for seg in plan.own:
             n = seg.end - seg.start
             keys = self._blocks(buf, seg.offset, n * seg.blocks).unflatten(2, (n, -1))   # (2, KVH, n, L, D)

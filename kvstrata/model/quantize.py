@@ -190,7 +190,10 @@ def int8_cache_path(cache_root: Path, fingerprint: str) -> Path:
 
 def load_or_quantize_int8(model: LlamaModel, tokenizer, path: Path) -> None:
     """Make `model` (just loaded in float32) int8: from the state cached at `path`, or by
-    `quantize_int8` and then writing that state to `path` for the next start."""
+    `quantize_int8` and then writing that state to `path` for the next start. Its attention then
+    sums in float64 (see "Exact attention" in kvstrata.model.attention): int8 activations would
+    turn the float32 attention's path-dependent last bits into different greedy tokens."""
+    model.attn.compute_dtype = torch.float64
     if path.is_file():
         _apply_int8_state(model, safetensors.torch.load_file(path))
         return
