@@ -5,6 +5,7 @@
     .venv/bin/python bench/model_step.py --dtypes float32 int8 --batches 1 8 --profile
     .venv/bin/python bench/model_step.py --hf          # transformers on the same weights, same shapes
     .venv/bin/python bench/model_step.py --dtypes float32 --batches 16 --ctx 1040 --shared-prefix 1024
+    .venv/bin/python bench/model_step.py --dtypes int8 --batches 1 8 --compile --profile
 
 --shared-prefix N gives every decoding sequence the same first N tokens' blocks (as prefix caching
 leaves them) and the runner's decode groups (kvstrata.model.prefix_groups), so attention reads
@@ -14,7 +15,8 @@ rest of attention beside the whole step, then the op table.
 Each figure is the fastest of --repeat steps after warm-up (on a shared 2-core machine the median
 mostly measures the neighbours; it is printed too), beside what the step had to read: the weights
 (GB/s of weights per second is the roofline figure on a CPU) and the KV. "int8" is float32 with
-`quantization="int8"`. The models are loaded first and timed in turn for each shape, so a
+`quantization="int8"`. --compile also times each of them with `--compile` (kvstrata.model.compiled),
+as "<name>+c", and prints how long its compile took. The models are loaded first and timed in turn for each shape, so a
 neighbour's burst hits all of them alike. --profile also counts the torch ops one step dispatches.
 Decode steps use a cache of zeros with shuffled block tables: timing does not depend on values.
 """
@@ -132,6 +134,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler op table per run")
+    parser.add_argument("--compile", action="store_true", help="also time each model with --compile")
     parser.add_argument("--hf", action="store_true", help="also time transformers' decode step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -141,9 +144,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, decode ctx {args.ctx} "
           f"({args.shared_prefix} shared), block {BLOCK}")
     models = {}
-    for name in args.dtypes:
+    for name, compile_ in [(n, c) for n in args.dtypes for c in (False, True) if c <= args.compile]:
         dtype, quantization = WEIGHTS[name]
-        loaded = load_model(ModelConfig(dtype=dtype, device="cpu", quantization=quantization))
+        start = time.perf_counter()
+        loaded = load_model(ModelConfig(dtype=dtype, device="cpu", quantization=quantization, compile=compile_))
+        name = f"{name}+c" if compile_ else name
+        if compile_:
+            print(f"{name}: loaded and compiled in {time.perf_counter() - start:.1f} s")
         spec = KVCacheSpec.for_model(loaded.arch, BLOCK, loaded.dtype)
         num_blocks = max(max(args.batches) * -(-args.ctx // BLOCK), -(-max(args.prefills, default=0) // BLOCK)) + 1
         models[name] = (loaded.model, PagedKVCache(spec, num_blocks), loaded.model.step_weight_bytes())
@@ -163,7 +170,7 @@ def main() -> None:
             if args.profile:
                 profile_step(name, model, batch, kv)
         if args.hf and batch.num_decodes:
-            for name in {WEIGHTS[n][0] for n in models}:       # transformers has no int8 of ours
+            for name in {WEIGHTS[n][0] for n in args.dtypes}:       # transformers has no int8 of ours
                 hf, hf_median = hf_decode_step(loaded.folder, getattr(torch, name), batch.num_decodes,
                                                args.ctx, args.repeat)
                 print(f"  {'transformers ' + name:>20}: {hf * 1e3:7.1f} ms (median {hf_median * 1e3:7.1f})  "

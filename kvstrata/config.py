@@ -69,6 +69,8 @@ class ModelConfig:
     threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     quantization: str = _opt("none", "weights of the linear layers: none (the dtype's own) or int8 "
                                      "(CPU only: int8 weights, activations quantized per call)", QUANTIZATIONS)
+    compile: bool = _opt(False, "torch.compile the decoder layers around attention at load (fewer ops per "
+                                "step; the first start compiles for about a minute, later ones read the cache)")
 
     def validate(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")

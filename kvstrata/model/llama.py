@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.kvcache.buffers import PagedKVCache
+from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.attention import AttentionPlan, PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
@@ -69,26 +69,26 @@ class DecoderLayer(nn.Module):
         self.projections = {name: DenseLinear(getattr(self, name), bias, self.parts)
                             for name, bias in biases.items()}
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKVCache,
-                index: int, attn: PagedAttention, plan: AttentionPlan) -> torch.Tensor:
-        """h (T, E) -> (T, E), updated in place; writes this layer's K/V for the batch's tokens."""
+    def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h (T, E) -> q (T, H, D), k and v (T, KVH, D): RMSNorm, fused QKV, RoPE on q and k."""
         a = self.arch
         t = h.shape[0]
         nh, nkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        proj = self.projections
         x = rms_norm(h, self.input_norm, a.rms_norm_eps)                          # (T, E)
-        qkv = proj["qkv"](x)                                                      # (T, (H + 2 KVH) D)
+        qkv = self.projections["qkv"](x)                                          # (T, (H + 2 KVH) D)
         qk = apply_rotary(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # (T, H + KVH, D)
-        q, k = qk[:, :nh], qk[:, nh:]                                             # (T, H, D), (T, KVH, D)
-        v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)                               # (T, KVH, D)
-        kv.write(index, plan.slot_mapping, k, v)
-        o = attn(q, k, v, kv.layer(index), plan)                                  # (T, H D)
-        h.add_(proj["o"](o))
-        x = rms_norm(h, self.post_norm, a.rms_norm_eps)
+        return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * d:].view(t, nkv, d)
+
+    def after_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The residual stream h (T, E) and attention's output o (T, H D) -> the layer's output (T, E):
+        O projection, residual, RMSNorm, fused gate|up, SiLU(gate) * up, down, residual."""
+        proj = self.projections
+        h = h + proj["o"](o)
+        x = rms_norm(h, self.post_norm, self.arch.rms_norm_eps)
         gu = proj["gate_up"](x)                                                   # (T, 2 I)
-        i = a.intermediate_size
-        h.add_(proj["down"](F.silu(gu[:, :i]).mul_(gu[:, i:])))                   # (T, E)
-        return h
+        i = self.arch.intermediate_size
+        return h + proj["down"](F.silu(gu[:, :i]) * gu[:, i:])
 
 
 class LlamaModel(nn.Module):
@@ -108,6 +108,9 @@ class LlamaModel(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size,
                                                                     dtype=dtype)
         self.rope = RotaryTables(arch, dtype, self.device)
+        # What each layer runs before and after attention: the methods, or torch.compile'd versions
+        # of them (see kvstrata.model.compiled); paged attention and the KV write stay eager.
+        self.layer_steps = (DecoderLayer.attention_inputs, DecoderLayer.after_attention)
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.head: Projection | None = None                     # set by load_hf_weights
 
@@ -157,6 +160,18 @@ class LlamaModel(nn.Module):
         norms = [self.norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         return sum(p.nbytes for p in projections) + sum(n.numel() * n.element_size() for n in norms)
 
+    def prefill_alone(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+        """Logits of one sequence computed in one piece through a scratch cache of its own (for
+        calibration and warm-up; the engine never calls it)."""
+        n = len(token_ids)
+        kv = PagedKVCache(KVCacheSpec.for_model(self.arch, block_size, self.dtype), -(-n // block_size), self.device)
+        pos = torch.arange(n, device=self.device)
+        table = torch.arange(kv.num_blocks, device=self.device).view(1, -1)
+        slots = table[0, pos // block_size] * block_size + pos % block_size
+        batch = ForwardBatch(torch.tensor(token_ids, device=self.device), pos, slots, table,
+                             torch.tensor([n], device=self.device), [0, n], 0, pos)
+        return self(batch, kv)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Run one step: writes K/V of every token in `batch`, returns float32 logits of shape
@@ -165,7 +180,10 @@ class LlamaModel(nn.Module):
         plan = self.attn.plan(batch, kv.block_size, kv.num_blocks, self.dtype)
         cos, sin = self.rope.lookup(batch.positions)                 # (T, 1, D) each
         h = F.embedding(batch.input_ids, self.embed_tokens)         # (T, E)
+        before, after = self.layer_steps
         for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv, index, self.attn, plan)
+            q, k, v = before(layer, h, cos, sin)
+            kv.write(index, plan.slot_mapping, k, v)
+            h = after(layer, h, self.attn(q, k, v, kv.layer(index), plan))
         h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps)   # (S, E)
         return self.head(h).float()                                 # (S, vocab)

@@ -36,6 +36,7 @@ from transformers import AutoTokenizer
 from kvstrata.config import ModelConfig
 from kvstrata.model import gguf_convert
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
+from kvstrata.model.compiled import compile_layers
 from kvstrata.model.llama import LlamaModel
 from kvstrata.model.quantize import int8_cache_path, load_or_quantize_int8
 
@@ -148,6 +149,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a folder "
                          "(config.json + *.safetensors)")
     loaded = _load_folder(folder, name, weight_ids, dtype, device, config.quantization)
+    if config.compile:
+        compile_layers(loaded.model)
     logger.info("loaded %s (%d layers, %s, quantization %s, %s) in %.2fs", name, loaded.arch.num_layers,
                 str(dtype).removeprefix("torch."), config.quantization, device, time.perf_counter() - start)
     return loaded

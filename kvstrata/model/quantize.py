@@ -44,8 +44,6 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
-from kvstrata.model.forward_batch import ForwardBatch
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.int8 import Int8Linear
 from kvstrata.model.linear import DenseLinear
@@ -56,7 +54,6 @@ logger = logging.getLogger(__name__)
 SMOOTHING_ALPHA = 0.5
 INT8_FORMAT_VERSION = 1        # bump when the calibration text, alpha or the layout below changes
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-_CALIBRATION_BLOCK = 16
 
 # A fixed, varied text (prose, a list, code, numbers, a chat turn), written for this purpose.
 CALIBRATION_MESSAGES = [
@@ -121,14 +118,7 @@ def input_maxima(model: LlamaModel, token_ids: list[int]) -> tuple[list[dict[str
         layer.projections = {name: _ChannelMax(proj) for name, proj in layer.projections.items()}
         recorders.append(layer.projections)
     head = model.head = _ChannelMax(model.head)
-    n = len(token_ids)
-    kv = PagedKVCache(KVCacheSpec.for_model(model.arch, _CALIBRATION_BLOCK, model.dtype),
-                      -(-n // _CALIBRATION_BLOCK), model.device)
-    pos = torch.arange(n)
-    table = torch.arange(kv.num_blocks).view(1, -1)
-    batch = ForwardBatch(torch.tensor(token_ids), pos, table[0, pos // _CALIBRATION_BLOCK] * _CALIBRATION_BLOCK
-                         + pos % _CALIBRATION_BLOCK, table, torch.tensor([n]), [0, n], 0, pos)
-    model(batch, kv)
+    model.prefill_alone(token_ids)
     for layer, recs in zip(model.layers, recorders):
         layer.projections = {name: rec.inner for name, rec in recs.items()}
     model.head = head.inner

@@ -1,0 +1,45 @@
+"""`--compile`: torch.compile the decoder's work before and after attention.
+
+Why. A decode step of a few sequences is mostly the dispatch of small torch ops: ~65 per layer
+(norms, RoPE, residual adds, SiLU * up, and for int8 the per-token quantization and rescaling around
+each matmul), each a parallel region the two threads must meet at. Inductor fuses the element-wise
+work into a few C++ loops; the matmuls stay library calls (MKL, or `_int_mm` for int8).
+
+What is compiled: `DecoderLayer.attention_inputs` and `DecoderLayer.after_attention`, each once for
+all layers: the layer is an argument, so dynamo guards on its type and tensor shapes, not on which
+layer it is. Paged attention and the KV write stay eager (a plan built per step, data-dependent
+shapes). `dynamic=True` keeps the token count symbolic: graphs are made per range of it that the
+code branches on (one token; several; float32 `linear`'s row-count thresholds), a bounded set that
+`warm_up` compiles at load, so no request waits for a compile. Inductor keeps what it compiled on
+disk (its cache dir, /tmp/torchinductor_$USER unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a
+second start mostly reads it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvstrata.model.linear import SPLIT_MAX_ROWS
+from kvstrata.model.llama import DecoderLayer, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+# One prefill of each size reaches every branch of the layer code: 1 token, then each range of
+# `linear`'s row count (bmm orientations below and from 5 and 16 rows, F.linear past SPLIT_MAX_ROWS).
+WARM_UP_TOKENS = (1, 2, 5, 16, SPLIT_MAX_ROWS + 1)
+
+
+def compile_layers(model: LlamaModel) -> float:
+    """Swap the model's layer steps for compiled ones and compile them now; returns the seconds it took."""
+    start = time.perf_counter()
+    model.layer_steps = (torch.compile(DecoderLayer.attention_inputs, dynamic=True),
+                         torch.compile(DecoderLayer.after_attention, dynamic=True))
+    for n in WARM_UP_TOKENS:
+        model.prefill_alone(list(range(1, n + 1)))
+    seconds = time.perf_counter() - start
+    logger.info("compiled the decoder layers for %s tokens per step in %.1fs", "/".join(map(str, WARM_UP_TOKENS)),
+                seconds)
+    return seconds
