@@ -14,6 +14,7 @@ from pathlib import Path
 NOTES_BEGIN, NOTES_END = "<!-- notes:begin -->", "<!-- notes:end -->"
 OFFLINE = (("kvstrata-float32", "kvstrata", "fp32 (torch)"), ("kvstrata-bfloat16", "kvstrata", "bf16 (torch)"),
            ("kvstrata-int8", "kvstrata", "int8 weights, per-token int8 activations (torch)"),
+           ("kvstrata-int8-compile", "kvstrata", "int8, `--compile` (torch.compile around attention)"),
            ("hf-float32", "transformers generate()", "fp32"), ("hf-bfloat16", "transformers generate()", "bf16"),
            ("llamacpp-q4_1", "llama.cpp", "Q4_1 GGUF"), ("vllm-bfloat16", "vLLM CPU", "bf16"),
            ("vllm-float32", "vLLM CPU", "fp32"))
@@ -94,10 +95,11 @@ def offline_section(offline: dict, default_dtype: str) -> list[str]:
     lines += ["", "kvstrata against the roofline (a decode step reads every weight once, whatever the batch):", "",
               "| kvstrata | case | steps | ms/step | weights read, GB/s | of measured memory bandwidth |",
               "|---|---|---:|---:|---:|---:|"]
-    for key in ("kvstrata-float32", "kvstrata-bfloat16", "kvstrata-int8"):
+    for key in ("kvstrata-float32", "kvstrata-bfloat16", "kvstrata-int8", "kvstrata-int8-compile"):
         if key in offline:
             data = offline[key]
             weights = "int8" if data.get("quantization", "none") == "int8" else data["dtype"]
+            weights += " --compile" if key.endswith("-compile") else ""
             for c in data["cases"]:
                 lines.append(f"| {weights} ({data['weight_bytes'] / 1e6:.0f} MB) | {c['name']} | {c['steps']} | "
                              f"{1000 * min(c['elapsed_s']) / c['steps']:.1f} | {c['weight_gb_s']:.2f} | "

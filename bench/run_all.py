@@ -115,6 +115,8 @@ def offline(out: Path, sizes: Sizes, hf_folder: str, gguf: str, patience: float)
                  (f"vllm-{dtype}", [str(VENVS / "vllm/bin/python"), str(PEERS / "offline_vllm.py"), *peer,
                                     "--model", hf_folder, "--dtype", dtype])]
     jobs.append(("kvstrata-int8", [str(BIN / "kvstrata"), "bench", "offline", *peer, "--quantization", "int8"]))
+    jobs.append(("kvstrata-int8-compile", [str(BIN / "kvstrata"), "bench", "offline", *peer, "--quantization", "int8",
+                                           "--compile"]))
     jobs.append(("llamacpp-q4_1", [str(VENVS / "llamacpp/bin/python"), str(PEERS / "offline_llamacpp.py"), *peer,
                                    "--model", gguf]))
     for name, command in jobs:
