@@ -16,7 +16,7 @@ OFFLINE = (("kvstrata-float32", "kvstrata", "fp32 (torch)"), ("kvstrata-bfloat16
            ("kvstrata-int8", "kvstrata", "int8 weights, per-token int8 activations (torch)"),
            ("kvstrata-int8-compile", "kvstrata", "int8, `--compile` (torch.compile around attention)"),
            ("hf-float32", "transformers generate()", "fp32"), ("hf-bfloat16", "transformers generate()", "bf16"),
-           ("llamacpp-q4_1", "llama.cpp", "Q4_1 GGUF"), ("vllm-bfloat16", "vLLM CPU", "bf16"),
+           ("llamacpp-q4_1", "llama.cpp", "Q4_1 GGUF"), ("llamacpp-q8_0", "llama.cpp", "Q8_0 GGUF (bench/peers/make_q8_0.py)"), ("vllm-bfloat16", "vLLM CPU", "bf16"),
            ("vllm-float32", "vLLM CPU", "fp32"))
 SERVE_ROWS = (("completed", "completed / failed", None), ("output_throughput", "output tok/s", None),
               ("total_token_throughput", "total tok/s (prompt + output)", None),

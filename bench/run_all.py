@@ -117,8 +117,11 @@ def offline(out: Path, sizes: Sizes, hf_folder: str, gguf: str, patience: float)
     jobs.append(("kvstrata-int8", [str(BIN / "kvstrata"), "bench", "offline", *peer, "--quantization", "int8"]))
     jobs.append(("kvstrata-int8-compile", [str(BIN / "kvstrata"), "bench", "offline", *peer, "--quantization", "int8",
                                            "--compile"]))
-    jobs.append(("llamacpp-q4_1", [str(VENVS / "llamacpp/bin/python"), str(PEERS / "offline_llamacpp.py"), *peer,
-                                   "--model", gguf]))
+    q8_0 = out / "smollm2-q8_0.gguf"          # llama.cpp's 8-bit peer of our int8, made from what we ship
+    run([sys.executable, str(PEERS / "make_q8_0.py"), str(q8_0), "--model", gguf], out / "make-q8_0.log")
+    for quant, path in (("q4_1", gguf), ("q8_0", str(q8_0))):
+        jobs.append((f"llamacpp-{quant}", [str(VENVS / "llamacpp/bin/python"), str(PEERS / "offline_llamacpp.py"),
+                                           *peer, "--model", path]))
     for name, command in jobs:
         run([*command, "--json", str(out / f"offline-{name}.json")], out / f"offline-{name}.log", env=peer_env())
 
