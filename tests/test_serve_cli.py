@@ -10,7 +10,8 @@ import httpx
 import pytest
 from server_helpers import MODEL, free_port
 
-from kvstrata.cli import build_parser, engine_config
+from kvstrata.cli import build_parser
+from kvstrata.flags import engine_config
 from kvstrata.model.loader import default_model_path
 
 

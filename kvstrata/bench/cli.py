@@ -163,7 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 # ---- offline ------------------------------------------------------------------------------------
 def _add_offline(kinds: argparse._SubParsersAction) -> None:
-    from kvstrata.cli import add_engine_flags
+    from kvstrata.flags import add_engine_flags
 
     p = kinds.add_parser("offline", help="prompts through the Python API: throughput and weight bandwidth")
     p.add_argument("--prompts", default=None, help="prompts file (see kvstrata/bench/cases.py); "
@@ -184,7 +184,7 @@ def run_offline(args: argparse.Namespace) -> int:
     from kvstrata.bench import report
     from kvstrata.bench.cases import read_cases
     from kvstrata.bench.offline import make_cases, run_offline as run
-    from kvstrata.cli import engine_config
+    from kvstrata.flags import engine_config
     from kvstrata.engine import LLMEngine
 
     if args.prompts:
