@@ -42,7 +42,7 @@ from kvstrata.validation import (BLOCK_SIZE, CLOCKS, MAX_CHUNK, SLICES, ShapeRec
 
 logger = logging.getLogger(__name__)
 
-PREFILL_GRID = {0: (16, 128, 512, 1024), 1024: (16, 256, 512), 2048: (64, 256)}    # cached prefix -> chunks
+PREFILL_GRID = {0: (16, 128, 512, 1024), 512: (128, 512), 1024: (16, 256, 512), 2048: (64, 256)}   # prefix -> chunks
 BURSTS = ((2, 256), (4, 64), (8, 16), (8, 96))                                    # (prompts, tokens each)
 DECODE_GRID = {64: (1, 2, 4, 8, 16, 32), 512: (1, 2, 4, 8), 1024: (1, 2, 4)}       # context -> batch sizes
 DISTINCT_DECODES = {256: (4, 16), 1024: (4, 8)}      # context -> batch sizes, no prefix shared

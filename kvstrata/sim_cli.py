@@ -179,6 +179,9 @@ def validation_table(report: dict) -> str:
                          for s in steps if s["engine"])
         lines.append(f"\n{level}: time scale {data['time_scale']:.4g}, engine busy {busy}, loadavg (1 min) {loads}, "
                      f"probe vs calibration {speed}; the same batches: {same}")
+        kinds = runs[0]["step_kinds"]
+        lines.append("  steps of the first run, profile against engine: " + "; ".join(
+            f"{kind} {k['steps']}x {k['profile_s'] / k['engine_s'] - 1:+.1%}" for kind, k in kinds.items() if k["engine_s"]))
         lines.append(f"{'':20}{'engine':>26}{'simulator':>11}{'error':>20}")
         for name, row in data["figures"].items():
             engine = " ".join(f"{v:.4f}" for v in row["engine"])

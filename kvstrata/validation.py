@@ -4,10 +4,11 @@ A validation names a *slice* (which requests of which trace, cut how, with which
 it at three *loads*: arrivals are stretched so the offered work (the profile's estimate of serving
 the requests one at a time, with what an unbounded cache would hold cached) is `light` 0.3, `near`
 1.0 and `overload` 3.0 of the time they span (decodes batch, so `near` is near, not past, capacity;
-`overload` runs well past its arrivals). Each load reports TTFT p50/p90/p99, TPOT p50, throughput and the hit rate per tier, engine against simulator, and the
-machine's load average before and after the engine ran (engine timings on a shared machine drift
-with it). `repeat` replays the engine again and reports the spread: an error inside that spread
-is noise, not the model.
+`overload` runs well past its arrivals). Each load reports TTFT p50/p90/p99, TPOT p50, throughput
+and the hit rate per tier, engine against simulator, with the machine's load average before and
+after each engine run and a speed probe (a fixed small workload) against the one calibration
+timed: engine timings on a shared machine drift with the neighbours. `repeat` replays the engine
+again and reports the spread: an error inside that spread is noise, not the model.
 
     plain     a real slice of the conversation trace (from request 500), prompts cut to 1,024
               tokens: requests share only the system prompt, device cache only
@@ -350,6 +351,27 @@ def figures(report: dict) -> dict[str, float]:
     return out
 
 
+def step_kind(shape: BatchShape) -> str:
+    """A step's kind for the error breakdown: what dominates its cost."""
+    if shape.prefill_tokens and shape.decode_seqs:
+        return "mixed"
+    if shape.prefill_tokens:
+        several = "s" if shape.prefill_chunks > 1 else ""
+        return f"prefill{several} ({'fresh' if not shape.masked_pairs else 'continued' if not shape.attention_pairs else 'both'})"
+    return f"decode x{shape.decode_seqs}" if shape.decode_seqs < 4 else "decode x4+"
+
+
+def step_breakdown(steps: list[tuple[BatchShape, float]], cost: CostModel) -> dict[str, dict]:
+    """Engine time against the profile's, per kind of step: where a step-time error comes from."""
+    out: dict[str, dict] = {}
+    for shape, seconds in steps:
+        row = out.setdefault(step_kind(shape), {"steps": 0, "engine_s": 0.0, "profile_s": 0.0})
+        row["steps"] += 1
+        row["engine_s"] += seconds
+        row["profile_s"] += cost.step_seconds(shape)
+    return dict(sorted(out.items()))
+
+
 def loadavg() -> list[float]:
     try:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
@@ -363,8 +385,9 @@ def validate_level(trace: list[TraceRequest], config: SimConfig, cost: CostModel
     trace = [replace(r, arrival=r.arrival * time_scale) for r in trace]
     size = config.block_size
     blocks = sum(math.ceil(r.input_length / size) for r in trace)
-    sim_report = Simulator(trace, config, cost).run().to_json()
-    sim = figures(sim_report)
+    result = Simulator(trace, config, cost).run()
+    sim_report = result.to_json()
+    sim_figures = figures(sim_report)
     runs = []
     reference = calibrated_probe(cost)
     for _ in range(repeat):
@@ -379,9 +402,11 @@ def validate_level(trace: list[TraceRequest], config: SimConfig, cost: CostModel
                      "busy_share": busy / real["simulated_s"] if real["simulated_s"] else 0.0,
                      "waited_for_store_s": run.waited_s, "preemptions": run.preemptions,
                      "step_seconds": {"steps": len(run.steps), "engine": sum(t for _, t in run.steps),
-                                      "profile": sum(cost.step_seconds(s) for s, _ in run.steps)}})
+                                      "profile": sum(cost.step_seconds(s) for s, _ in run.steps)},
+                     "step_kinds": step_breakdown(run.steps, cost),
+                     "ttft_s": [r.ttft for r in run.records], "cached_tokens": [r.cached_tokens for r in run.records]})
     rows = {}
-    for name, got in sim.items():
+    for name, got in sim_figures.items():
         wants = [r["figures"][name] for r in runs]
         errors = [got / want - 1 if want else None for want in wants]
         known = [e for e in errors if e is not None]
@@ -389,7 +414,9 @@ def validate_level(trace: list[TraceRequest], config: SimConfig, cost: CostModel
                       "engine_spread": (max(wants) / min(wants) - 1) if min(wants) > 0 else None,
                       "error_mean": sum(known) / len(known) if known else None}
     return {"time_scale": time_scale, "figures": rows, "engine_runs": runs,
-            "simulator": {k: sim_report[k] for k in ("preemptions", "steps", "transfers", "simulated_s")}}
+            "simulator": {**{k: sim_report[k] for k in ("preemptions", "steps", "transfers", "simulated_s")},
+                          "ttft_s": [r.ttft for r in result.records],
+                          "cached_tokens": [r.cached_tokens for r in result.records]}}
 
 
 def validate(path: str | Path, slice_: Slice, cost: CostModel, threads: int | None, clock: str,
