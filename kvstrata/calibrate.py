@@ -38,7 +38,7 @@ from kvstrata.config import EngineConfig
 from kvstrata.cost_model import BatchShape, CostModel, Link, fit, relative_errors
 from kvstrata.request import SamplingParams
 from kvstrata.validation import (BLOCK_SIZE, CLOCKS, MAX_CHUNK, SLICES, ShapeRecorder, loadavg, replay_on_engine,
-                                 slice_identity, speed_probe, time_scale_for)
+                                 slice_identity, speed_probe, time_scale_for, warm_up)
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +183,7 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     engine = LLMEngine(config)
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
-    engine.add_request(list(range(300)), SamplingParams(max_tokens=4, ignore_eos=True))   # warm-up, not measured
-    list(_timed(engine, recorder, CLOCKS[clock]))
+    warm_up(engine)
     runs = [_grid_run(engine, recorder, CLOCKS[clock], seed=run + 1) for run in range(repeat)]
     shapes = [shape for shape, _ in runs[0]]
     if any([shape for shape, _ in run] != shapes for run in runs):
