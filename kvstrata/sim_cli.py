@@ -5,7 +5,8 @@
                       --store-cache-tokens inf --output-json fleet.json
     kvstrata simulate --trace T --sweep host_cache_tokens=0,1M,4M,inf --plot docs/ --output-json sweep.json
     kvstrata calibrate --output bench/profiles/cpu-2core-smollm2.json        fit a profile on this machine
-    kvstrata simulate --validate --trace T --profile bench/profiles/cpu-2core-smollm2.json
+    kvstrata simulate --validate --slice sessions --repeat 2 --trace T        engine vs simulator, three loads
+    kvstrata calibrate --trace T --fit-slices plain                           fit a slice too (then refused)
 
 Only this module and `cli.py` print; the simulator itself returns figures.
 """
