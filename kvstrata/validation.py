@@ -299,8 +299,10 @@ def speed_probe(engine, timer: Callable[[], float], rounds: int = 3) -> float:
 
 def warm_up(engine) -> None:
     """One step of a whole chunk budget, not timed: a process's first forward of a large batch costs
-    far more than the next (measured: 2.0 s against 1.15 s for 1,024 tokens), once per process; a
-    serving engine pays that once at start, so a validation must not charge it to its first request."""
+    far more than the next (measured: 2.0 s against 1.15 s for 1,024 tokens), so calibration and the
+    speed probe start warm. It does not warm a later engine's first large step: in validation the
+    first request of a new engine still took 0.5-0.8 s more than the profile in 5 of 6 runs (its
+    prefill is the only fresh 1,024-token one of the plain slice, so it is that slice's p99)."""
     engine.add_request([7] * MAX_CHUNK, SamplingParams(max_tokens=1, ignore_eos=True))
     while engine.has_work:
         engine.step()
