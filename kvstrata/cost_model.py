@@ -1,7 +1,8 @@
 """Step time and transfer time: what the simulator charges for a batch and for moving KV.
 
     step_seconds = overhead_s + max(compute . x, memory . x)
-    x = (1, prefill_tokens, decode_seqs, kv_tokens_read, attention_pairs)        (BatchShape)
+    x = (1, prefill_tokens, decode_seqs, kv_tokens_read, attention_pairs, masked_pairs, prefill_chunks,
+         decode_groups)                                                              (BatchShape)
 
 Two sources of coefficients, and every profile says which in `source`:
 - *calibrated*: a non-negative least-squares fit of the real engine's step times over a grid of
@@ -12,7 +13,12 @@ Two sources of coefficients, and every profile says which in `source`:
   the KV of every context read, at `bandwidth_efficiency` of peak; a step costs the slower of the two.
 
 Moving KV costs `latency + bytes / bandwidth` on a `Link`: device <-> host copies on `host_link`,
-store I/O on `store_link`; a block's bytes come from `kv_bytes_per_token`.
+store I/O on `store_link`; a block's bytes come from `kv_bytes_per_token`. Encoding a block's store
+record (before a write) and decoding one (after a load) run in the engine's step loop and cost
+`record_link` each (checksums and copies; None: free, as in profiles made before it was measured).
+
+A calibrated profile names what it was fitted on (`fitted_on`: the batch grid, and any trace slices
+replayed), so a validation can refuse to call a slice it was fitted on a validation.
 """
 
 from __future__ import annotations
@@ -26,37 +32,84 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvstrata.model.prefix_groups import group_decodes
+
 logger = logging.getLogger(__name__)
 
-FEATURES = ("step", "prefill_tokens", "decode_seqs", "kv_tokens_read", "attention_pairs")
+FEATURES = ("step", "prefill_tokens", "decode_seqs", "kv_tokens_read", "attention_pairs", "masked_pairs",
+            "prefill_chunks", "decode_groups")
 
 
 class BatchShape(NamedTuple):
-    """What a step computes. A chunk of one token is a decode (the runner batches it as one)."""
+    """What a step computes, counted the way the runner and `PagedAttention` do the work.
+
+    A chunk of one token is a decode (the runner batches it as one). The attention paths differ
+    in cost per pair, so they are separate features:
+    - a chunk that starts its sequence runs causal SDPA on its own K/V: n (n + 1) / 2 pairs, no gather;
+    - a chunk after cached or computed tokens gathers its sequence's blocks and runs masked SDPA over
+      all of them: n x (its blocks x block size) pairs, every one computed, and those keys read;
+    - decodes read their blocks in segments padded to the longest member, and a group of decodes
+      sharing prefix blocks (cascade attention, `group_decodes`) reads that prefix once, at a
+      fixed cost per group (its attention is written out, not one SDPA, plus a merge, every layer).
+    Every prefill chunk also costs a fixed amount (its own SDPA call and plan in every layer).
+    """
 
     prefill_tokens: int = 0
     decode_seqs: int = 0
-    kv_tokens_read: int = 0       # KV tokens attention reads: each prefill chunk's context, and every
-                                  # decode at the longest decode context (the runner pads decodes to one length)
-    attention_pairs: int = 0      # query-key pairs of the prefill chunks: n * start + n * (n + 1) / 2
+    kv_tokens_read: int = 0       # KV tokens gathered: decode segments (padded) and their shared
+                                  # prefixes, and the blocks of each chunk that continues a sequence
+    attention_pairs: int = 0      # query-key pairs of chunks that start their sequence (causal)
+    masked_pairs: int = 0         # query-key pairs of chunks that continue one (masked, padded to blocks)
+    prefill_chunks: int = 0
+    decode_groups: int = 0        # cascade groups of decodes sharing a prefix
 
     @classmethod
-    def of(cls, chunks: Iterable) -> BatchShape:
+    def of(cls, chunks: Iterable, block_size: int) -> BatchShape:
         """The shape of a step's `ScheduledChunk`s."""
-        prefill = decodes = kv = pairs = longest = 0
+        prefill = kv = fresh = masked = count = 0
+        decodes = []
         for chunk in chunks:
             n, start = len(chunk.token_ids), chunk.start
             if n == 1:
-                decodes += 1
-                longest = max(longest, start + 1)
+                decodes.append(chunk)
+                continue
+            prefill += n
+            count += 1
+            if start == 0:
+                fresh += n * (n + 1) // 2
             else:
-                prefill += n
-                kv += start + n
-                pairs += n * start + n * (n + 1) // 2
-        return cls(prefill, decodes, kv + decodes * longest, pairs)
+                keys = -(-(start + n) // block_size) * block_size
+                kv += keys
+                masked += n * keys
+        reads, groups = _decode_reads(decodes, block_size)
+        return cls(prefill, len(decodes), kv + reads, fresh, masked, count, groups)
 
     def features(self) -> tuple[float, ...]:
         return (1.0, *self)
+
+
+def _decode_reads(decodes: Sequence, block_size: int) -> tuple[int, int]:
+    """KV tokens the decodes gather (each segment padded to its longest member, shared prefixes
+    once) and the number of cascade groups, as the runner forms them."""
+    if not decodes:
+        return 0, 0
+    seq_lens = [d.start + 1 for d in decodes]
+    blocks = [-(-n // block_size) for n in seq_lens]
+    if len(decodes) < 2:
+        return blocks[0] * block_size, 0
+    order, groups = group_decodes([d.block_ids for d in decodes], seq_lens, block_size)
+    grouped = groups[-1].end if groups else 0
+    own = [0] * len(decodes)                     # blocks each row reads itself, in batch order
+    shared = 0
+    for group in groups:
+        shared += group.prefix_blocks
+        for row in range(group.start, group.end):
+            own[row] = blocks[order[row]] - group.prefix_blocks
+    for row in range(grouped, len(decodes)):
+        own[row] = blocks[order[row]]
+    padded = sum((end - start) * max(own[start:end]) for start, end in ((0, grouped), (grouped, len(decodes)))
+                 if end > start)
+    return (padded + shared) * block_size, len(groups)
 
 
 @dataclass(frozen=True)
@@ -80,6 +133,8 @@ class CostModel:
     memory: tuple[float, ...] = (0.0,) * len(FEATURES)
     overhead_s: float = 0.0
     device_cache_tokens: int | None = None       # what the device holds beside the weights, when known
+    record_link: Link | None = None              # encode or decode one block's store record, in the step
+    fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
 
     def __post_init__(self) -> None:
         if len(self.compute) != len(FEATURES) or len(self.memory) != len(FEATURES):
@@ -89,20 +144,26 @@ class CostModel:
 
     def step_seconds(self, shape: BatchShape) -> float:
         """Unrolled: the simulator asks once per step, millions of times per trace."""
-        c0, c1, c2, c3, c4 = self.compute
-        m0, m1, m2, m3, m4 = self.memory
-        p, d, kv, pairs = shape
-        return self.overhead_s + max(c0 + c1 * p + c2 * d + c3 * kv + c4 * pairs,
-                                     m0 + m1 * p + m2 * d + m3 * kv + m4 * pairs)
+        c0, c1, c2, c3, c4, c5, c6, c7 = self.compute
+        m0, m1, m2, m3, m4, m5, m6, m7 = self.memory
+        p, d, kv, pairs, masked, chunks, groups = shape
+        return self.overhead_s + max(
+            c0 + c1 * p + c2 * d + c3 * kv + c4 * pairs + c5 * masked + c6 * chunks + c7 * groups,
+            m0 + m1 * p + m2 * d + m3 * kv + m4 * pairs + m5 * masked + m6 * chunks + m7 * groups)
 
     def block_bytes(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
+
+    def record_seconds(self, block_size: int) -> float:
+        """Engine-thread time to encode or decode one block's store record."""
+        return 0.0 if self.record_link is None else self.record_link.seconds(self.block_bytes(block_size))
 
     # ---- files ----------------------------------------------------------------------------------
     def to_json(self) -> dict:
         data = asdict(self)
         data["compute"] = dict(zip(FEATURES, self.compute))
         data["memory"] = dict(zip(FEATURES, self.memory))
+        data["fitted_on"] = list(self.fitted_on)
         return data
 
     @classmethod
@@ -115,7 +176,9 @@ class CostModel:
                    compute=tuple(float(data["compute"].get(f, 0.0)) for f in FEATURES),
                    memory=tuple(float(data.get("memory", {}).get(f, 0.0)) for f in FEATURES),
                    overhead_s=float(data.get("overhead_s", 0.0)),
-                   device_cache_tokens=data.get("device_cache_tokens"))
+                   device_cache_tokens=data.get("device_cache_tokens"),
+                   record_link=Link(**data["record_link"]) if data.get("record_link") else None,
+                   fitted_on=tuple(data.get("fitted_on", ())))
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -232,8 +295,9 @@ def roofline(hardware: str, model: str) -> CostModel:
     flops = hw.peak_flops * hw.flops_efficiency
     bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
     per_token = 2 * spec.params / flops
-    compute = (0.0, per_token, per_token, 0.0, spec.attention_flops_per_pair / flops)
-    memory = (spec.weight_bytes / bandwidth, 0.0, 0.0, spec.kv_bytes_per_token / bandwidth, 0.0)
+    pair = spec.attention_flops_per_pair / flops
+    compute = (0.0, per_token, per_token, 0.0, pair, pair, 0.0, 0.0)
+    memory = (spec.weight_bytes / bandwidth, 0.0, 0.0, spec.kv_bytes_per_token / bandwidth, 0.0, 0.0, 0.0, 0.0)
     kv_memory = hw.memory_bytes * 0.9 - spec.weight_bytes
     if kv_memory <= 0:
         raise ValueError(f"{model} does not fit in the memory of {hardware}")

@@ -5,7 +5,8 @@
                       --store-cache-tokens inf --output-json fleet.json
     kvstrata simulate --trace T --sweep host_cache_tokens=0,1M,4M,inf --plot docs/ --output-json sweep.json
     kvstrata calibrate --output bench/profiles/cpu-2core-smollm2.json        fit a profile on this machine
-    kvstrata simulate --validate --trace T --profile bench/profiles/cpu-2core-smollm2.json
+    kvstrata simulate --validate --slice sessions --repeat 2 --trace T        engine vs simulator, three loads
+    kvstrata calibrate --trace T --fit-slices plain                           fit a slice too (then refused)
 
 Only this module and `cli.py` print; the simulator itself returns figures.
 """
@@ -45,7 +46,8 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     trace.add_argument("--trace", required=True, help="Mooncake-format jsonl (timestamp, input_length, "
                                                       "output_length, hash_ids)")
     trace.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
-    trace.add_argument("--skip", type=int, default=0, help="start after the first N requests")
+    trace.add_argument("--skip", type=int, default=None, help="start after the first N requests (default 0; "
+                                                               "the slice's own with --validate)")
     trace.add_argument("--time-scale", type=float, default=None,
                        help="multiply arrival times (2: half the rate; default 1, or fitted to the engine "
                             "with --validate)")
@@ -82,7 +84,12 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     out.add_argument("--sweep", default=None, metavar="PARAM=A,B,C",
                      help=f"run once per value of one capacity ({', '.join(CAPACITIES)})")
     out.add_argument("--validate", action="store_true",
-                     help="replay a slice on the real engine and in the simulator; print relative errors")
+                     help="replay a slice on the real engine and in the simulator at three loads (or at "
+                          "--time-scale); print the figures and relative errors")
+    out.add_argument("--slice", default="plain", choices=("plain", "sessions"),
+                     help="--validate: the slice (plain: a real slice, device cache only; sessions: chat "
+                          "sessions shrunk to 32 tokens per hash id, host tier and disk store on)")
+    out.add_argument("--repeat", type=int, default=1, help="--validate: engine replays per load (the spread is noise)")
     add_engine_timing(out)
     parser.set_defaults(run=run_simulate)
 
@@ -112,7 +119,7 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
 def run_simulate(args: argparse.Namespace) -> int:
     if args.validate:
         return run_validation(args)
-    trace = read_mooncake(args.trace, args.max_requests, args.skip, args.time_scale or 1.0, args.max_input_tokens,
+    trace = read_mooncake(args.trace, args.max_requests, args.skip or 0, args.time_scale or 1.0, args.max_input_tokens,
                           args.max_output_tokens)
     cost = cost_model(args)
     base = sim_config(args, cost)
@@ -143,30 +150,45 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_validation(args: argparse.Namespace) -> int:
-    """`--validate`: a slice cut to the default model's context, on the real engine and in the simulator."""
-    from kvstrata.calibrate import (BLOCK_SIZE, MAX_CHUNK, VALIDATION_DEVICE_TOKENS, VALIDATION_INPUT_TOKENS,
-                                    VALIDATION_REQUESTS, validate)
+    """`--validate`: a slice at three loads (or one --time-scale), on the real engine and in the simulator."""
+    from kvstrata.validation import SLICES, validate
 
     cost = CostModel.load(args.profile or DEFAULT_PROFILE)
-    device = args.device_cache_tokens
-    config = SimConfig(block_size=args.block_size or BLOCK_SIZE,
-                       device_cache_tokens=VALIDATION_DEVICE_TOKENS if device in (None, FROM_PROFILE) else device,
-                       max_num_seqs=args.max_num_seqs or 32,
-                       max_num_batched_tokens=args.max_num_batched_tokens or MAX_CHUNK, policy=args.policy).validate()
-    trace = read_mooncake(args.trace, args.max_requests or VALIDATION_REQUESTS, args.skip, 1.0,
-                          args.max_input_tokens or VALIDATION_INPUT_TOKENS, args.max_output_tokens or 16)
-    print(f"validating on {len(trace)} requests with {cost.source}")
-    report = validate(trace, config, cost, args.time_scale, args.threads, args.clock)
-    steps = report["step_seconds"]
-    print(f"time scale {report['time_scale']:.3g}: the engine ran {steps['steps']} steps in {steps['engine']:.1f}s "
-          f"({report['clock']}); the profile predicts {steps['profile']:.1f}s for the same batches "
-          f"({steps['profile'] / steps['engine'] - 1:+.1%})")
-    print(f"{'':20}{'engine':>12}{'simulator':>12}{'error':>10}")
-    for name, row in report["figures"].items():
-        error = "n/a" if row["relative_error"] is None else f"{row['relative_error']:+.1%}"
-        print(f"{name:20}{row['engine']:12.4f}{row['simulator']:12.4f}{error:>10}")
+    chosen = SLICES[args.slice]
+    overrides = {"skip": args.skip, "requests": args.max_requests, "max_input_tokens": args.max_input_tokens,
+                 "max_output_tokens": args.max_output_tokens}
+    chosen = dataclasses.replace(chosen, **{k: v for k, v in overrides.items() if v is not None})
+    scales = None if args.time_scale is None else {"given": args.time_scale}
+    print(f"validating slice {chosen.name!r} with {cost.source}")
+    report = validate(args.trace, chosen, cost, args.threads, args.clock, time_scales=scales, repeat=args.repeat,
+                      max_num_seqs=args.max_num_seqs or 32)
+    print(validation_table(report))
     write_json(args.output_json, report)
     return 0
+
+
+def validation_table(report: dict) -> str:
+    """One block per load: each figure's engine value(s), the simulator's, and the error(s)."""
+    lines = [f"{report['requests']} requests, steps timed by {report['clock']}"]
+    for level, data in report["levels"].items():
+        runs = data["engine_runs"]
+        loads = "; ".join(f"{r['loadavg_before'][0]:.2f}->{r['loadavg_after'][0]:.2f}" for r in runs)
+        speed = ", ".join("n/a" if r["speed_ratio"] is None else f"{r['speed_ratio']:.3f}" for r in runs)
+        steps = [r["step_seconds"] for r in runs]
+        busy = ", ".join(f"{r['busy_share']:.0%}" for r in runs)
+        same = ", ".join(f"engine {s['engine']:.1f}s profile {s['profile']:.1f}s ({s['profile'] / s['engine'] - 1:+.1%})"
+                         for s in steps if s["engine"])
+        lines.append(f"\n{level}: time scale {data['time_scale']:.4g}, engine busy {busy}, loadavg (1 min) {loads}, "
+                     f"probe vs calibration {speed}; the same batches: {same}")
+        kinds = runs[0]["step_kinds"]
+        lines.append("  steps of the first run, profile against engine: " + "; ".join(
+            f"{kind} {k['steps']}x {k['profile_s'] / k['engine_s'] - 1:+.1%}" for kind, k in kinds.items() if k["engine_s"]))
+        lines.append(f"{'':20}{'engine':>26}{'simulator':>11}{'error':>20}")
+        for name, row in data["figures"].items():
+            engine = " ".join(f"{v:.4f}" for v in row["engine"])
+            errors = " ".join("n/a" if e is None else f"{e:+.1%}" for e in row["relative_error"])
+            lines.append(f"{name:20}{engine:>26}{row['simulator']:11.4f}{errors:>20}")
+    return "\n".join(lines)
 
 
 def overload_warning(trace, report: dict, instances: int) -> str | None:
@@ -254,13 +276,22 @@ def add_calibrate(commands: argparse._SubParsersAction) -> None:
                                                         "(default: CPU model and core count)")
     add_engine_timing(parser)
     parser.add_argument("--repeat", type=int, default=3, help="runs of the grid; each step keeps its median time")
+    parser.add_argument("--trace", type=Path, default=None, help="a Mooncake trace to fit --fit-slices of")
+    parser.add_argument("--fit-slices", default="", help="comma-separated validation slices (plain, sessions) to "
+                                                         "replay and fit too; validation then refuses them")
     parser.set_defaults(run=run_calibrate)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from kvstrata.calibrate import calibrate
 
-    calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock)
+    from kvstrata.validation import SLICES
+
+    slices = tuple(name for name in args.fit_slices.split(",") if name)
+    if set(slices) - set(SLICES):
+        raise ValueError(f"--fit-slices takes names of {', '.join(SLICES)}, not {args.fit_slices!r}")
+    calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock,
+                            trace=args.trace, slices=slices)
     calibration.save(args.output)
     print(calibration.report())
     print(f"profile written to {args.output}: {calibration.model.source}")

@@ -2,7 +2,9 @@
 
 The real `TierManager` runs unchanged on top of them:
 - `NullMover` copies nothing between device and host; it adds up what the copies would cost, and
-  the step that made them pays for it (the engine copies inside the step too).
+  the step that made them pays for it (the engine copies inside the step too). Encoding a store
+  record (a write) and decoding one (a load landing) also run in the engine's step loop: they
+  accrue the profile's per-record time the same way.
 - `SimStore` is the store tier: which block hashes it holds, least recently used deleted first.
   Its records are the block hashes themselves. One instance serves a whole fleet.
 - `VirtualExecutor` runs each store call when its transfer would have ended, so store lookups
@@ -33,21 +35,25 @@ class VirtualClock:
 
 
 class NullMover:
-    """A `BlockMover` that moves no bytes: device <-> host copies accrue `link` time for the step."""
+    """A `BlockMover` that moves no bytes: device <-> host copies accrue `link` time for the step,
+    each record encoded or decoded `record_seconds`."""
 
-    def __init__(self, link: Link, block_bytes: int):
+    def __init__(self, link: Link, block_bytes: int, record_seconds: float = 0.0):
         self.link = link
         self.block_bytes = block_bytes
+        self.record_seconds = record_seconds
         self._seconds = 0.0
 
     def copy(self, src_tier: str, dst_tier: str, pairs: Sequence[tuple[int, int]]) -> None:
         self._seconds += self.link.seconds(len(pairs) * self.block_bytes)
 
     def encode(self, tier: str, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bytes:
+        self._seconds += self.record_seconds
         return block_hash
 
     def decode_into(self, tier: str, block_id: int, record: bytes, block_hash: BlockHash,
                     token_ids: Sequence[int]) -> None:
+        self._seconds += self.record_seconds
         if record != block_hash:
             raise BadRecord("hash")
 

@@ -36,7 +36,8 @@ from kvstrata.request import Request, SamplingParams
 from kvstrata.routers import ROUTERS, make_router
 from kvstrata.scheduler import Scheduler, SchedulerOutput
 from kvstrata.sim_io import NullMover, SimStore, VirtualClock, VirtualExecutor
-from kvstrata.traces import TRACE_BLOCK, TraceRequest, TraceTokens, ideal_hit_rate, num_prompt_blocks
+from kvstrata.traces import (TRACE_BLOCK, TraceRequest, TraceTokens, check_tokens_per_id, ideal_hit_rate,
+                             num_prompt_blocks)
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,13 @@ class SimConfig:
     write_policy: str = "write_back"
     store_timeout: float = 2.0
     audit: bool = False
+    tokens_per_id: int = TRACE_BLOCK              # tokens per trace hash id (fewer: a shrunk trace, traces.shrink)
 
     def validate(self) -> SimConfig:
         size = self.block_size
         if size < 1 or size & (size - 1) or TRACE_BLOCK % size:
             raise ValueError(f"block_size must be a power of two dividing {TRACE_BLOCK}, not {size}")
+        check_tokens_per_id(self.tokens_per_id, size)
         if self.device_cache_tokens is not None and self.device_cache_tokens < size:
             raise ValueError(f"the device cache must hold at least one block of {size} tokens")
         for name in ("host_cache_tokens", "store_cache_tokens"):
@@ -196,7 +199,7 @@ class Simulator:
         self.trace, self.config, self.cost = trace, config.validate(), cost
         self.progress = progress
         size = config.block_size
-        self.tokens = TraceTokens(BlockHasher.create(size, SIM_FINGERPRINT))
+        self.tokens = TraceTokens(BlockHasher.create(size, SIM_FINGERPRINT), config.tokens_per_id)
         self.clock = VirtualClock()
         self._events: list[tuple] = []          # (time, kind, seq, function, argument)
         self._seq = itertools.count()
@@ -226,7 +229,7 @@ class Simulator:
 
     def _engine(self, index: int, cache: CacheConfig, scheduling: SchedulerConfig) -> _Engine:
         block_bytes = self.cost.block_bytes(cache.block_size)
-        mover = NullMover(self.cost.host_link, block_bytes)
+        mover = NullMover(self.cost.host_link, block_bytes, self.cost.record_seconds(cache.block_size))
 
         def post_io(at: float, callback: Callable[[], None]) -> None:
             self._post(at, IO, self._on_io, (index, callback))
@@ -297,7 +300,8 @@ class Simulator:
                 self._wake(engine, self.clock.now + self.config.store_timeout)
             return
         engine.output = output
-        seconds = self.cost.step_seconds(BatchShape.of(output.chunks)) + engine.mover.take_seconds()
+        seconds = (self.cost.step_seconds(BatchShape.of(output.chunks, self.config.block_size))
+                   + engine.mover.take_seconds())
         self._post(self.clock.now + seconds, STEP, self._end_step, engine)
 
     def _end_step(self, engine: _Engine) -> None:

@@ -9,7 +9,11 @@ equal tokens) and into the engine's chained block hashes at any block size divid
     engine blocks:  [h0 ][h1 ][h2 ][h3 ]       [h4 ][h5 ][h6 ][h7 ]     [h8 ][h9 ]       (block_size 128)
 
 The hashes of one trace block depend only on its parent hash and its id, so they are cached per
-(parent hash, id): a trace of 145M tokens hashes each unique block once. Nothing here depends on
+(parent hash, id): a trace of 145M tokens hashes each unique block once.
+
+`shrink` keeps a trace's ids and order but gives each id fewer tokens (`tokens_per_id`, 32: a
+27k-token prompt becomes 1.7k), so a small machine replays the same prefix structure; replay such
+requests with `TraceTokens(hasher, tokens_per_id)`. Nothing here depends on
 the simulator or on torch (the benchmark reuses it to drive a real server).
 """
 
@@ -91,16 +95,16 @@ class TraceTokens:
     512 tokens drawn from 256 ids never collide in practice.
     """
 
-    def __init__(self, hasher: BlockHasher):
-        if TRACE_BLOCK % hasher.block_size:
-            raise ValueError(f"block_size must divide {TRACE_BLOCK} to replay a trace, not {hasher.block_size}")
+    def __init__(self, hasher: BlockHasher, tokens_per_id: int = TRACE_BLOCK):
+        check_tokens_per_id(tokens_per_id, hasher.block_size)
         self.hasher = hasher
-        self.per_trace_block = TRACE_BLOCK // hasher.block_size
-        self._words = np.arange(TRACE_BLOCK // 8, dtype=np.uint64)
+        self.tokens_per_id = tokens_per_id
+        self.per_trace_block = tokens_per_id // hasher.block_size
+        self._words = np.arange(tokens_per_id // 8, dtype=np.uint64)
         self._hashes: dict[tuple[BlockHash, int], tuple[BlockHash, ...]] = {}
 
     def block_tokens(self, ids: Sequence[int]) -> np.ndarray:
-        """(len(ids), 512) uint8 token ids: each 64-bit draw of (trace id, word) gives 8 tokens."""
+        """(len(ids), tokens_per_id) uint8 token ids: each 64-bit draw of (trace id, word) gives 8 tokens."""
         ids = np.asarray(ids, dtype=np.uint64)
         with np.errstate(over="ignore"):
             words = _mix((ids[:, None] << np.uint64(16)) + self._words[None, :] + _SEED)
@@ -137,6 +141,21 @@ class TraceTokens:
             out.extend(block)
 
 
+def check_tokens_per_id(tokens_per_id: int, block_size: int) -> None:
+    if tokens_per_id < 8 or tokens_per_id % 8 or tokens_per_id > TRACE_BLOCK or tokens_per_id % block_size:
+        raise ValueError(f"tokens per trace id must be a multiple of 8 up to {TRACE_BLOCK} and of the block size "
+                         f"{block_size}, not {tokens_per_id}")
+
+
+def shrink(requests: Iterable[TraceRequest], tokens_per_id: int) -> list[TraceRequest]:
+    """The same requests with `tokens_per_id` tokens per hash id instead of 512: ids, order, arrivals
+    and outputs kept, inputs scaled (a partial last block stays partial)."""
+    if not 8 <= tokens_per_id <= TRACE_BLOCK:
+        raise ValueError(f"tokens_per_id must be in [8, {TRACE_BLOCK}], not {tokens_per_id}")
+    return [TraceRequest(r.arrival, max(1, math.ceil(r.input_length * tokens_per_id / TRACE_BLOCK)),
+                         r.output_length, r.hash_ids) for r in requests]
+
+
 def num_prompt_blocks(requests: Iterable[TraceRequest], block_size: int) -> int:
     return sum(math.ceil(r.input_length / block_size) for r in requests)
 
@@ -147,16 +166,22 @@ def ideal_hit_rate(requests: Iterable[TraceRequest], tokens: TraceTokens) -> flo
     The engine's rules apply: only full blocks are cached, and the block holding the last prompt
     token is always computed (its logits pick the first output token).
     """
+    requests = list(requests)
+    total = num_prompt_blocks(requests, tokens.hasher.block_size)
+    return sum(ideal_hits(requests, tokens)) / total if total else 0.0
+
+
+def ideal_hits(requests: Iterable[TraceRequest], tokens: TraceTokens) -> list[int]:
+    """Prompt blocks of each request an infinite cache serves (see ideal_hit_rate)."""
     size = tokens.hasher.block_size
     seen: set[BlockHash] = set()
-    hits = total = 0
+    hits = []
     for request in requests:
         hashes = tokens.block_hashes(request)
         limit = (request.input_length - 1) // size
         matched = 0
         while matched < limit and hashes[matched] in seen:
             matched += 1
-        hits += matched
-        total += math.ceil(request.input_length / size)
+        hits.append(matched)
         seen.update(hashes)
-    return hits / total if total else 0.0
+    return hits

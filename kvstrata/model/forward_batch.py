@@ -24,16 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class DecodeGroup:
-    """Decodes in rows [start, end) whose block tables share their first `prefix_blocks` ids; each
-    of them has at least one key after the prefix (its own token), so the prefix is whole blocks
-    that none of them writes."""
-
-    start: int
-    end: int
-    prefix_blocks: int
+from kvstrata.model.prefix_groups import DecodeGroup   # re-exported: it lives where torch is not needed
 
 
 @dataclass

@@ -24,8 +24,7 @@ smallest LCP, whichever saves more:
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from kvstrata.model.forward_batch import DecodeGroup
+from dataclasses import dataclass
 
 # What one group costs, in tokens of KV its members no longer read. `bench/decode_group_cost.py`
 # (SmolLM2's shapes, one layer, 1 thread, CPU time, 2-core AVX2 EPYC): a group's own pass by hand
@@ -35,6 +34,17 @@ from kvstrata.model.forward_batch import DecodeGroup
 # ~0.19 us per token and layer (bench/model_step.py), a break-even near 200 tokens. 512 sits
 # between the two; at worst a misjudged group costs ~1 ms in a step of 40 ms or more.
 GROUP_COST_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes in rows [start, end) whose block tables share their first `prefix_blocks` ids; each
+    of them has at least one key after the prefix (its own token), so the prefix is whole blocks
+    that none of them writes."""
+
+    start: int
+    end: int
+    prefix_blocks: int
 
 
 def group_decodes(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], block_size: int,

@@ -1,0 +1,205 @@
+"""Simulator fidelity: batch shapes counted as the runner does the work, shrunk and session slices,
+the record cost of store traffic, and validation's refusal of slices a profile was fitted on.
+
+Fast tests use hand-made chunks and small synthetic traces; the end-to-end validation on the real
+engine is marked slow.
+"""
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstrata.cost_model import BatchShape, CostModel, Link
+from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.model.attention import PagedAttention
+from kvstrata.model.prefix_groups import group_decodes
+from kvstrata.runner import ModelRunner
+from kvstrata.sim_io import NullMover
+from kvstrata.simulator import SimConfig, Simulator
+from kvstrata.traces import TraceRequest, TraceTokens, shrink
+from kvstrata.validation import (FittedOnError, Slice, check_not_fitted_on, session_lines, slice_identity,
+                                 spread_ties)
+
+BS = 16
+
+
+def chunk(start: int, n: int, blocks: list[int]) -> SimpleNamespace:
+    """A `ScheduledChunk` as the runner and BatchShape read it."""
+    return SimpleNamespace(start=start, token_ids=[1] * n, block_ids=blocks, num_tokens=n, sample=True,
+                           request=None)
+
+
+# ---- batch shapes -------------------------------------------------------------------------------
+def test_batch_shape_by_hand():
+    fresh = chunk(0, 100, list(range(7)))
+    later = chunk(40, 20, list(range(10, 14)))                   # keys 0..59: 4 blocks, padded to 64
+    shape = BatchShape.of([fresh, later], BS)
+    assert shape == BatchShape(prefill_tokens=120, decode_seqs=0, kv_tokens_read=64, attention_pairs=5050,
+                               masked_pairs=20 * 64, prefill_chunks=2, decode_groups=0)
+    shared = list(range(100, 140))                                # 40 blocks every decode holds
+    grouped = [chunk(40 * BS + 3, 1, shared + [200 + i]) for i in range(3)]
+    loose = [chunk(9, 1, [300]), chunk(29, 1, [301, 302])]         # 1 and 2 blocks: padded to 2 each
+    shape = BatchShape.of(grouped + loose, BS)
+    assert shape.decode_groups == 1 and shape.decode_seqs == 5
+    assert shape.kv_tokens_read == (40 + 3 * 1 + 2 * 2) * BS       # the prefix once, own blocks, padding
+
+
+def _gathered_blocks(chunks: list[SimpleNamespace]) -> int:
+    """Blocks PagedAttention gathers for these chunks, planned exactly as the runner plans a step."""
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes], BS)
+    ordered = [decodes[i] for i in order] + [c for c in chunks if c.num_tokens != 1]
+    batch = ModelRunner.build_batch(SimpleNamespace(block_size=BS, device=torch.device("cpu")), ordered, groups)
+    attention = PagedAttention(num_heads=9, num_kv_heads=3, head_dim=64)
+    plan = attention.plan(batch, BS, num_blocks=1024, dtype=torch.float32)
+    planes = 2 * 3
+    rows = 0 if plan.decode_rows is None else plan.decode_rows.shape[0]
+    rows += sum(p.rows.shape[0] for p in plan.prefills if p.rows is not None)
+    return rows // planes
+
+
+@pytest.mark.parametrize("case", ["shared", "distinct", "mixed", "small-shared"])
+def test_batch_shape_reads_what_paged_attention_gathers(case):
+    shared = list(range(500, 540))
+    if case == "shared":
+        chunks = [chunk(40 * BS + i, 1, shared + [600 + i]) for i in range(6)]
+    elif case == "distinct":
+        chunks = [chunk(16 * i + 5, 1, list(range(100 * i, 100 * i + i + 1))) for i in range(1, 7)]
+    elif case == "small-shared":                                 # shares too little to be worth a group
+        chunks = [chunk(2 * BS + 1, 1, shared[:2] + [600 + i]) for i in range(4)]
+    else:
+        chunks = ([chunk(40 * BS + i, 1, shared + [600 + i]) for i in range(4)]
+                  + [chunk(70, 1, [700, 701, 702, 703, 704])]
+                  + [chunk(0, 50, [800, 801, 802, 803]), chunk(33, 64, [900 + i for i in range(7)])])
+    assert BatchShape.of(chunks, BS).kv_tokens_read == _gathered_blocks(chunks) * BS
+
+
+# ---- shrunk traces and slices -------------------------------------------------------------------
+def test_a_shrunk_trace_keeps_its_ids_and_hashes_like_the_block_hasher():
+    trace = [TraceRequest(0.0, 6758, 5, tuple(range(14))), TraceRequest(1.0, 1024, 5, (0, 1))]
+    small = shrink(trace, 32)
+    assert [r.input_length for r in small] == [423, 64] and [r.hash_ids for r in small] == [r.hash_ids for r in trace]
+    tokens = TraceTokens(BlockHasher.create(BS, "m"), tokens_per_id=32)
+    for request in small:
+        assert math.ceil(request.input_length / 32) == len(request.hash_ids)
+        prompt = tokens.prompt(request)
+        expected = []
+        tokens.hasher.extend(expected, prompt)
+        assert len(prompt) == request.input_length and tokens.block_hashes(request) == expected
+    assert tokens.prompt(small[0])[:64] == tokens.prompt(small[1])          # ids 0, 1 give the same tokens
+    with pytest.raises(ValueError, match="tokens per trace id"):
+        TraceTokens(BlockHasher.create(64, "m"), tokens_per_id=32)
+
+
+def test_session_lines_takes_whole_sessions_in_trace_order():
+    ids = [(0, 1), (0, 5), (0, 1, 2), (0, 9), (0, 1, 2, 3), (0, 5, 6), (0, 7), (0, 5, 6, 8), (0, 1, 2, 3, 4)]
+    # sessions: {0, 2, 4, 8} (ids 0 1 ...), {1, 5, 7} (0 5 ...); 3 and 6 share only the system prompt id 0
+    assert session_lines(ids, 7) == [0, 1, 2, 4, 5, 7, 8]
+    assert session_lines(ids, 4) == [0, 2, 4, 8]
+    with pytest.raises(ValueError, match="only 7 requests"):
+        session_lines(ids, 8)
+
+
+def test_spread_ties_spreads_requests_with_one_stamp_until_the_next():
+    trace = [TraceRequest(t, 10, 1, (i,)) for i, t in enumerate([0.0, 0.0, 0.0, 3.0, 3.0])]
+    assert [r.arrival for r in spread_ties(trace)] == [0.0, 1.0, 2.0, 3.0, 4.5]
+
+
+def test_sessions_slice_config_has_every_tier():
+    config = Slice("s", sessions=True, tokens_per_id=32, device_cache_tokens=1536, host_cache_tokens=1024,
+                   store=True).sim_config()
+    assert config.tokens_per_id == 32 and config.host_cache_tokens == 1024 and config.store_cache_tokens is None
+
+
+# ---- what a profile was fitted on ---------------------------------------------------------------
+def _profile(fitted_on=()) -> CostModel:
+    return CostModel(source="test", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.0, 1e12),
+                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0), fitted_on=tuple(fitted_on))
+
+
+def _trace(path: Path, n: int = 30) -> Path:
+    path.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 40, "output_length": 3,
+                                        "hash_ids": [i]}) + "\n" for i in range(n)))
+    return path
+
+
+def test_slice_identity_names_the_lines_as_ranges(tmp_path):
+    identity = slice_identity(_trace(tmp_path / "t.jsonl"), "plain", [5, 6, 7, 9, 12, 13])
+    assert identity["lines"] == [[5, 8], [9, 10], [12, 14]] and len(identity["sha256"]) == 64
+
+
+def test_a_profile_refuses_slices_it_was_fitted_on(tmp_path):
+    path = _trace(tmp_path / "t.jsonl")
+    fitted = _profile([{"kind": "grid", "steps": 10}, slice_identity(path, "plain", list(range(10, 20)))])
+    check_not_fitted_on(fitted, slice_identity(path, "plain", list(range(20, 30))))       # disjoint: fine
+    with pytest.raises(FittedOnError, match="fitted on 1 of this slice's 5 requests"):
+        check_not_fitted_on(fitted, slice_identity(path, "plain", list(range(15 + 4, 24))))
+    other = _trace(tmp_path / "other.jsonl", 31)                                            # other content
+    check_not_fitted_on(fitted, slice_identity(other, "plain", list(range(10, 20))))
+
+
+def test_validate_refuses_a_fitted_on_slice_before_starting_an_engine(tmp_path, capsys):
+    from kvstrata.cli import main
+
+    path = _trace(tmp_path / "t.jsonl")
+    profile = tmp_path / "p.json"
+    _profile([slice_identity(path, "plain", list(range(0, 10)))]).save(profile)
+    code = main(["simulate", "--validate", "--trace", str(path), "--profile", str(profile), "--skip", "5",
+                 "--max-requests", "10"])
+    assert code == 2 and "fitted on 5 of this slice's 10 requests" in capsys.readouterr().err
+
+
+def test_fitted_on_survives_the_profile_file(tmp_path):
+    path = _trace(tmp_path / "t.jsonl")
+    profile = _profile([{"kind": "grid", "steps": 3, "probe_s": 0.5}, slice_identity(path, "plain", [1, 2])])
+    profile.save(tmp_path / "p.json")
+    assert CostModel.load(tmp_path / "p.json").fitted_on == profile.fitted_on
+
+
+# ---- store records cost engine time -------------------------------------------------------------
+def test_records_encoded_and_decoded_accrue_to_the_step():
+    mover = NullMover(Link(0.0, 1e12), block_bytes=100, record_seconds=0.25)
+    record = mover.encode("device", 0, b"h" * 16, [1])
+    mover.decode_into("device", 1, record, b"h" * 16, [1])
+    assert mover.take_seconds() == 0.5 and mover.take_seconds() == 0.0
+
+
+def test_a_store_hit_pays_for_decoding_its_records():
+    """As tests/test_simulator's store-hit case: C evicts A's 4 blocks to the store, B loads them back.
+    Each record costs 1 ms of B's first step per block B loads (or any block its admission evicts)."""
+    trace = [TraceRequest(0.0, 1024, 1, (1, 2)), TraceRequest(10.0, 1536, 1, (7, 8, 9)),
+             TraceRequest(20.0, 1536, 1, (1, 2, 3))]
+    config = SimConfig(block_size=256, device_cache_tokens=1536, store_cache_tokens=None)
+
+    def run(record_link):
+        cost = CostModel(source="t", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.5, 1e12),
+                         compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=record_link)
+        return Simulator(trace, config, cost).run()
+
+    free, paid = run(None), run(Link(1e-3, 1e30))
+    extra = paid.records[2].ttft - free.records[2].ttft
+    assert paid.to_json()["transfers"]["loaded_blocks"]["store"] == 4
+    assert extra >= 4e-3 - 1e-12 and extra == pytest.approx(round(extra / 1e-3) * 1e-3, abs=1e-12)
+
+
+# ---- end to end on the real engine (slow) -------------------------------------------------------
+@pytest.mark.slow
+def test_validation_on_the_real_engine_reports_every_figure_per_tier(tmp_path):
+    from kvstrata.validation import FIGURES, validate
+
+    trace = Path(__file__).parent.parent.parent / "shared/data/traces/conversation_trace.jsonl"
+    if not trace.exists():
+        pytest.skip("the conversation trace is not here")
+    small = Slice("sessions", requests=8, sessions=True, tokens_per_id=32, max_input_tokens=256,
+                  max_output_tokens=4, device_cache_tokens=512, host_cache_tokens=256, store=True)
+    report = validate(trace, small, _profile(), threads=1, clock="cpu", time_scales={"given": 0.5})
+    level = report["levels"]["given"]
+    assert set(level["figures"]) == set(FIGURES)
+    for name in ("hit_rate_device", "hit_rate_host", "hit_rate_store", "hit_rate_total"):
+        row = level["figures"][name]
+        assert row["engine"][0] == pytest.approx(row["simulator"], abs=0.05)
+    assert level["engine_runs"][0]["loadavg_before"] and level["engine_runs"][0]["probe_s"] > 0
