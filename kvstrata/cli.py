@@ -19,6 +19,7 @@ from collections.abc import Callable
 from kvstrata.bench.cli import add_bench
 from kvstrata.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, format_size,
                              parse_size)
+from kvstrata.router import add_router
 from kvstrata.sim_cli import add_calibrate, add_simulate
 
 ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
@@ -173,7 +174,7 @@ def ready_server(config, ready_line: str):
 
 
 # ---- entry --------------------------------------------------------------------------------------
-COMMANDS = [add_generate, add_serve, add_simulate, add_calibrate, add_bench]
+COMMANDS = [add_generate, add_serve, add_router, add_simulate, add_calibrate, add_bench]
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -20,7 +20,8 @@ ROUTERS = POLICIES
 
 @dataclass(frozen=True)
 class SchedulerView:
-    """An engine's view read from its scheduler and tier manager; always available."""
+    """An engine's view read from its scheduler and tier manager; always available. The simulator
+    routes with it; a server reports its load with it (kvstrata.kv_events)."""
 
     scheduler: Scheduler
     available: bool = True
@@ -29,7 +30,9 @@ class SchedulerView:
         return len(self.scheduler.requests)
 
     def queued_prompt_tokens(self) -> int:
-        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.scheduler.requests.values())
+        # list() copies the table in one step under the GIL: the server reads it beside the engine thread.
+        requests = list(self.scheduler.requests.values())
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests)
 
     def holds(self, tier: str, block_hash: BlockHash) -> bool:
         pool = self.scheduler.tiers.device if tier == "device" else self.scheduler.tiers.host
