@@ -57,12 +57,13 @@ def running_server(loaded, api_key: str | None = None, max_queue: int = 256, fau
 
 
 def start_server_process(*flags: str, env: dict[str, str] | None = None,
-                         log: IO[str] | None = None) -> tuple[subprocess.Popen, str]:
-    """`kvstrata serve` in a child process on a free port, once /health answers: (process, base url).
+                         log: IO[str] | None = None, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`kvstrata serve` in a child process on `port` (default: a free one), once /health answers:
+    (process, base url).
 
     Its output goes to a pipe, or to `log` (a file) for a server that logs more than a pipe holds.
     """
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvstrata", "serve", "--port", str(port), *flags],
                             stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

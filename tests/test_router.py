@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
@@ -66,3 +66,98 @@ def test_kv_aware_keeps_conversations_on_their_engine(smollm2, tmp_path, policy)
     else:
         assert max(spans) == 2, served
         assert cached < 0.5 * prompt, (cached, prompt)
+
+
+def _stream(base: str, text: str) -> tuple[int, str]:
+    """(status, body) of a streamed chat request, read to its end."""
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": text}], "max_tokens": 24, "temperature": 0,
+                            "stream": True}) as reply:
+        return reply.status_code, "".join(reply.iter_text())
+
+
+def test_engine_killed_mid_run_then_back(smollm2, tmp_path):
+    """A killed engine is taken out; its requests go to the other one; every request ends; it comes back."""
+    from server_helpers import free_port, start_server_process
+
+    flags = ("--kv-cache-memory", "64MiB", "--dtype", "float32", "--threads", "1", "--log-level", "WARNING")
+    port = free_port()
+    logs = [open(tmp_path / f"engine{i}.log", "w") for i in range(3)]
+    survivor, url_a = start_server_process(*flags, log=logs[0])
+    victim, url_b = start_server_process(*flags, log=logs[1], port=port)
+    try:
+        with running_router([url_a, url_b], smollm2.tokenizer, "round_robin") as (base, fleet):
+            assert chat(base, [{"role": "user", "content": "Hi"}]).headers[ENGINE_HEADER] == url_a
+            request = {"messages": [{"role": "user", "content": "Count to fifty."}], "max_tokens": 64,
+                       "temperature": 0, "stream": True}
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=request, timeout=60) as stream:
+                assert stream.headers[ENGINE_HEADER] == url_b       # round robin: the second goes to B
+                lines = stream.iter_lines()
+                assert next(lines).startswith("data: ")
+                victim.kill()                                       # mid-stream
+                rest = list(lines)
+            assert any('"engine_failed"' in line for line in rest) and "data: [DONE]" in rest, rest[-3:]
+
+            prompts = [f"Count from {i} to {i + 30}, one number per line." for i in range(8)]
+
+            def one(i: int) -> tuple[int, str]:
+                return _stream(base, prompts[i]) if i % 2 else (chat(base, [{"role": "user", "content": prompts[i]}],
+                                                                      max_tokens=24).status_code, "")
+
+            with ThreadPoolExecutor(4) as pool:
+                results = list(pool.map(one, range(len(prompts))))   # each ends: none hangs (60 s timeouts)
+            for status, body in results:
+                assert status == 200
+                assert body == "" or (body.rstrip().endswith("data: [DONE]") and "engine_failed" not in body)
+            view_b = next(v for v in fleet.views if v.url == url_b)
+            assert not view_b.available
+            after = [chat(base, [{"role": "user", "content": "Hi"}]) for _ in range(4)]
+            assert all(r.status_code == 200 and r.headers[ENGINE_HEADER] == url_a for r in after)
+            metrics = scrape(base)
+            assert metrics[f'kvstrata_router_engine_up{{engine="{url_b}"}}'] == 0
+            assert metrics[f'kvstrata_router_engine_failures_total{{engine="{url_b}"}}'] >= 1
+
+            revived, _ = start_server_process(*flags, log=logs[2], port=port)
+            try:
+                for _ in range(200):
+                    if view_b.available:
+                        break
+                    time.sleep(0.05)
+                assert view_b.available
+                served = {chat(base, [{"role": "user", "content": "Hi"}]).headers[ENGINE_HEADER] for _ in range(4)}
+                assert served == {url_a, url_b}
+            finally:
+                revived.kill()
+                revived.wait()
+    finally:
+        for proc in (survivor, victim):
+            proc.kill()
+            proc.wait()
+        for log in logs:
+            log.close()
+
+
+def test_request_to_an_engine_not_yet_found_dead_is_sent_to_another(smollm2):
+    """The router has not noticed yet (the engine looks in): the request that finds out goes elsewhere."""
+    from server_helpers import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"                  # nothing listens there
+    with running_server(smollm2) as (live, _), \
+            running_router([dead, live], smollm2.tokenizer, "round_robin", wait_for=1,
+                           health_interval=30) as (base, fleet):
+        fleet.views[0].available = True     # as if it died after its last check (the next is 30 s away)
+        replies = [chat(base, [{"role": "user", "content": "Hi"}]) for _ in range(2)]
+        assert [r.status_code for r in replies] == [200, 200]
+        assert {r.headers[ENGINE_HEADER] for r in replies} == {live}
+        assert not fleet.views[0].available
+        metrics = scrape(base)
+    assert metrics[f'kvstrata_router_requests_total{{engine="{dead}",outcome="retried"}}'] == 1
+    assert metrics[f'kvstrata_router_requests_total{{engine="{live}",outcome="ok"}}'] == 2
+
+
+def test_router_health_and_models(smollm2):
+    with running_server(smollm2) as (live, _), running_router([live], smollm2.tokenizer) as (base, _):
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "engines": {live: True}}
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == httpx.get(f"{live}/v1/models").json()["data"][0]["id"]
+        bad = httpx.post(f"{base}/v1/chat/completions", json={"messages": [], "max_tokens": 2})
+        assert bad.status_code == 400                          # the engine's own refusal, relayed
