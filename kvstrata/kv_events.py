@@ -3,8 +3,8 @@
 Every hash that joins or leaves the device or host index is an event with a sequence number. A
 router long-polls `?since=SEQ` and gets the events after SEQ, plus the engine's load (requests
 held, prompt tokens still to compute). Memory is bounded: the log keeps the last `capacity`
-events; a router that asks for events already dropped (or starts with since=0, or talks to a
-restarted engine, whose `instance` changed) gets a snapshot of every hash held now instead.
+events; a router that asks for events already dropped (or names no instance, or another one: it
+starts, or the engine restarted) gets a snapshot of every hash held now instead.
 
     engine thread:  BlockPool.listener -> KVEventLog.record   (under a lock, O(1))
     server thread:  KVEventLog.since(seq) -> events | snapshot
@@ -24,14 +24,10 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from kvstrata.kvcache.block_pool import BlockPool
 from kvstrata.kvcache.hashing import BlockHash
 from kvstrata.routers import SchedulerView
-
-if TYPE_CHECKING:
-    from kvstrata.engine import LLMEngine
+from kvstrata.scheduler import Scheduler
 
 PUBLISHED_TIERS = ("device", "host")
 EVENT_LOG_CAPACITY = 1 << 16      # events kept for routers that fall behind; older ones: a snapshot
@@ -81,7 +77,7 @@ class KVEventLog:
 
     def since(self, seq: int, instance: str | None = None) -> dict:
         """The reply to `?since=seq&instance=I`: events after seq, or a snapshot when those are not
-        all kept, or when the router last heard from another instance (a restarted engine)."""
+        all kept, or when `instance` is not this log's (a router starting, or a restarted engine)."""
         load = self.load()
         with self._lock:
             oldest = self._events[0][0] if self._events else self.seq + 1
@@ -89,7 +85,7 @@ class KVEventLog:
                            "hash_root": self.hash_root.hex(), "snapshot": None, "events": [],
                            "load": {"num_requests": load.num_requests,
                                     "queued_prompt_tokens": load.queued_prompt_tokens}}
-            if seq <= 0 or seq > self.seq or seq + 1 < oldest or (instance or self.instance) != self.instance:
+            if instance != self.instance or seq < 0 or seq > self.seq or seq + 1 < oldest:
                 reply["snapshot"] = {tier: [h.hex() for h in held] for tier, held in self._held.items()}
                 reply["seq"] = self.seq
                 return reply
@@ -111,11 +107,12 @@ class KVEventLog:
         return reply
 
 
-def publish(engine: LLMEngine) -> KVEventLog:
-    """The event log of an engine's device and host pools; call before its thread serves requests."""
-    view = SchedulerView(engine.scheduler)
-    log = KVEventLog(engine.tiers.block_size, engine.hasher.root,
-                     lambda: EngineLoad(view.num_requests(), view.queued_prompt_tokens()))
-    log.attach("device", engine.tiers.device)
-    log.attach("host", engine.tiers.host)
+def publish(scheduler: Scheduler, hash_root: BlockHash, capacity: int = EVENT_LOG_CAPACITY) -> KVEventLog:
+    """The event log of an engine's device and host pools, with its load; call before its thread
+    serves requests. `hash_root`: the root of the engine's block hash chain (model, cache salt)."""
+    view = SchedulerView(scheduler)
+    log = KVEventLog(scheduler.tiers.block_size, hash_root,
+                     lambda: EngineLoad(view.num_requests(), view.queued_prompt_tokens()), capacity)
+    log.attach("device", scheduler.tiers.device)
+    log.attach("host", scheduler.tiers.host)
     return log

@@ -294,7 +294,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    events = publish(engine.engine)
+    events = publish(engine.engine.scheduler, engine.engine.hasher.root)
 
     @app.get("/v1/kv_events")
     async def kv_events(since: int = 0, instance: str | None = None, timeout: float = Query(0.0, ge=0.0, le=30.0)):
