@@ -182,7 +182,7 @@ class Fleet:
                 reply.raise_for_status()
                 view.apply(reply.json())
                 if not view.available:
-                    logger.warning("engine %s is in (%d cached blocks)", view.url, view.num_held)
+                    logger.info("engine %s is in (%d cached blocks)", view.url, view.num_held)
                     view.available = True
                     self.metrics.up.labels(view.url).set(1)
             except (httpx.HTTPError, ValueError, KeyError, AssertionError) as exc:
