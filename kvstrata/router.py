@@ -48,6 +48,7 @@ class RouterConfig:
     health_interval: float = 1.0          # seconds between health checks of an engine
     connect_timeout: float = 2.0
     request_timeout: float = 600.0        # longest wait for an engine's next bytes
+    engine_api_key: str | None = None     # the engines' --api-key, for the router's own calls (events)
 
     def validate(self) -> RouterConfig:
         if not self.engines:
@@ -125,6 +126,7 @@ class Fleet:
         self.metrics = RouterMetrics(config.engines)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout,
                                                                connect=config.connect_timeout))
+        self._own_headers = {"authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
         self._watchers: list[asyncio.Task] = []
 
     # ---- routing --------------------------------------------------------------------------------
@@ -178,6 +180,7 @@ class Fleet:
                         continue
                 reply = await self.client.get(f"{view.url}/v1/kv_events",
                                               params={**view.query(), "timeout": EVENTS_WAIT},
+                                              headers=self._own_headers,
                                               timeout=EVENTS_WAIT + self.config.connect_timeout + 5)
                 reply.raise_for_status()
                 view.apply(reply.json())
@@ -360,6 +363,8 @@ def add_router(commands) -> None:
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="longest wait in seconds for an engine's next bytes")
+    parser.add_argument("--engine-api-key", default=None,
+                        help="the engines' --api-key, for the router's KV-event polls (clients' keys are passed on)")
     parser.set_defaults(run=run_router, default_log_level="INFO")
 
 
@@ -369,7 +374,7 @@ def run_router(args) -> int:
     from kvstrata.cli import ready_server
 
     config = RouterConfig(tuple(url.rstrip("/") for url in args.engine), args.policy, args.health_interval,
-                          request_timeout=args.request_timeout).validate()
+                          request_timeout=args.request_timeout, engine_api_key=args.engine_api_key).validate()
     fleet = build_fleet(config, load_tokenizer(args.model))
     server = uvicorn.Config(create_router_app(fleet), host=args.host, port=args.port,
                             log_level=args.log_level.lower(), access_log=False)
