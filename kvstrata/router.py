@@ -151,6 +151,7 @@ class Fleet:
         if view.available:
             logger.warning("engine %s taken out: %s", view.url, reason)
             self.metrics.taken_out.labels(view.url).inc()
+            view.out_since = time.monotonic()
         view.available = False
         self.metrics.up.labels(view.url).set(0)
 
@@ -167,11 +168,16 @@ class Fleet:
         await self.client.aclose()
 
     async def _watch(self, view: EventView) -> None:
-        """Health checks every interval; between them, the event long-poll; any failure: out."""
-        checked = 0.0
+        """Health checks every interval; between them, the event long-poll; any failure: out. An
+        engine taken out comes back after a good health check at least an interval later."""
+        checked, interval = 0.0, self.config.health_interval
         while True:
             try:
-                if time.monotonic() - checked >= self.config.health_interval:
+                rest = view.out_since + interval - time.monotonic()
+                if not view.available and rest > 0:
+                    await asyncio.sleep(rest)
+                    continue
+                if not view.available or time.monotonic() - checked >= interval:
                     health = await self.client.get(f"{view.url}/health", timeout=self.config.health_interval * 2)
                     checked = time.monotonic()
                     if health.status_code != 200:
@@ -184,7 +190,7 @@ class Fleet:
                                               timeout=EVENTS_WAIT + self.config.connect_timeout + 5)
                 reply.raise_for_status()
                 view.apply(reply.json())
-                if not view.available:
+                if not view.available and checked > view.out_since:     # healthy since it was taken out
                     logger.info("engine %s is in (%d cached blocks)", view.url, view.num_held)
                     view.available = True
                     self.metrics.up.labels(view.url).set(1)

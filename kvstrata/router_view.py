@@ -20,6 +20,7 @@ from kvstrata.kv_events import PUBLISHED_TIERS
 class EventView:
     url: str
     available: bool = False                     # out until its first health check and snapshot
+    out_since: float = 0.0                      # monotonic time it was last taken out
     instance: str | None = None
     seq: int = 0
     block_size: int | None = None

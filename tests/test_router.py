@@ -8,8 +8,8 @@ from contextlib import ExitStack
 
 import httpx
 import pytest
-from router_helpers import chat, running_router
-from server_helpers import running_server, scrape
+from router_helpers import chat, fake_engine, running_router
+from server_helpers import running_server, scrape, serving
 
 from kvstrata.router import ENGINE_HEADER
 
@@ -76,6 +76,7 @@ def _stream(base: str, text: str) -> tuple[int, str]:
         return reply.status_code, "".join(reply.iter_text())
 
 
+@pytest.mark.slow
 def test_engine_killed_mid_run_then_back(smollm2, tmp_path):
     """A killed engine is taken out; its requests go to the other one; every request ends; it comes back."""
     from server_helpers import free_port, start_server_process
@@ -155,9 +156,40 @@ def test_request_to_an_engine_not_yet_found_dead_is_sent_to_another(smollm2):
     assert metrics[f'kvstrata_router_requests_total{{engine="{live}",outcome="ok"}}'] == 2
 
 
-def test_router_health_and_models(smollm2):
-    with running_server(smollm2) as (live, _), running_router([live], smollm2.tokenizer) as (base, _):
+def test_router_health_models_keys_and_refusals(smollm2):
+    """Engines with an API key: the router polls with --engine-api-key, passes clients' keys on, and
+    relays the engines' answers (401, 400) as they are."""
+    key = {"authorization": "Bearer k"}
+    with running_server(smollm2, api_key="k") as (live, _), \
+            running_router([live], smollm2.tokenizer, engine_api_key="k") as (base, _):
         assert httpx.get(f"{base}/health").json() == {"status": "ok", "engines": {live: True}}
-        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == httpx.get(f"{live}/v1/models").json()["data"][0]["id"]
-        bad = httpx.post(f"{base}/v1/chat/completions", json={"messages": [], "max_tokens": 2})
-        assert bad.status_code == 400                          # the engine's own refusal, relayed
+        models = httpx.get(f"{base}/v1/models", headers=key).json()
+        assert models == httpx.get(f"{live}/v1/models", headers=key).json()
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        assert httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                               "max_tokens": 2}).status_code == 401
+        bad = httpx.post(f"{base}/v1/chat/completions", json={"messages": [], "max_tokens": 2}, headers=key)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+        good = httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, headers=key)
+        assert good.status_code == 200 and good.headers[ENGINE_HEADER] == live
+
+
+def test_a_stream_that_breaks_ends_with_an_error_event_and_a_refusing_engine_is_skipped(smollm2):
+    """Fake engines: one drops its stream after the first chunk, one answers 503, one works."""
+    with ExitStack() as stack:
+        broken, refusing, working = (stack.enter_context(serving(fake_engine(b)))
+                                     for b in ("break", "refuse", "ok"))
+        base, fleet = stack.enter_context(running_router([broken, refusing, working], smollm2.tokenizer,
+                                                         "round_robin", health_interval=30))
+        request = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=request, timeout=10) as stream:
+            assert stream.headers[ENGINE_HEADER] == broken
+            lines = [line for line in stream.iter_lines() if line]
+        assert lines[0].startswith('data: {"choices"') and '"engine_failed"' in lines[1] and lines[2] == "data: [DONE]"
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=request, timeout=10) as stream:
+            assert stream.headers[ENGINE_HEADER] == working     # the 503 took the refusing one out
+            assert [line for line in stream.iter_lines() if line][-1] == "data: [DONE]"
+        assert [view.available for view in fleet.views] == [False, False, True]
+        metrics = scrape(base)
+    assert metrics[f'kvstrata_router_requests_total{{engine="{broken}",outcome="error"}}'] == 1
+    assert metrics[f'kvstrata_router_requests_total{{engine="{refusing}",outcome="retried"}}'] == 1
