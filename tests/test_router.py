@@ -193,3 +193,28 @@ def test_a_stream_that_breaks_ends_with_an_error_event_and_a_refusing_engine_is_
         metrics = scrape(base)
     assert metrics[f'kvstrata_router_requests_total{{engine="{broken}",outcome="error"}}'] == 1
     assert metrics[f'kvstrata_router_requests_total{{engine="{refusing}",outcome="retried"}}'] == 1
+
+
+def test_the_router_sees_the_tokens_and_hashes_the_engine_caches(smollm2):
+    """Same token ids as the engine's /tokenize (chat template, developer role, content parts, completions),
+    and after a request, every full block the router hashes for it is in the engine's published device tier."""
+    from kvstrata.router import PromptTokens
+
+    tokens = PromptTokens(smollm2.tokenizer)
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Name "}, {"type": "text", "text": "a colour."}]}]
+    with running_server(smollm2) as (live, _), running_router([live], smollm2.tokenizer) as (base, fleet):
+        engine_ids = httpx.post(f"{live}/tokenize", json={"messages": messages}).json()["tokens"]
+        assert tokens("/v1/chat/completions", {"messages": messages}) == engine_ids
+        assert tokens("/v1/completions", {"prompt": "Once upon"}) == \
+            httpx.post(f"{live}/tokenize", json={"prompt": "Once upon"}).json()["tokens"]
+        assert tokens("/v1/completions", {"prompt": [[5, 6, 7]]}) == [5, 6, 7]
+        assert tokens("/v1/chat/completions", {"messages": "not a list"}) is None
+        long_chat = messages + [{"role": "user", "content": " ".join(f"word{k}" for k in range(40))}]
+        assert chat(base, long_chat, max_tokens=2).status_code == 200
+        prompt = fleet.routed_prompt("/v1/chat/completions", {"messages": long_chat})
+        assert prompt.max_hit_blocks >= 3
+        deadline = time.monotonic() + 5
+        while not all(fleet.views[0].holds("device", h) for h in prompt.block_hashes):
+            assert time.monotonic() < deadline, "the engine's events never named the prompt's blocks"
+            time.sleep(0.05)
