@@ -218,3 +218,14 @@ def test_the_router_sees_the_tokens_and_hashes_the_engine_caches(smollm2):
         while not all(fleet.views[0].holds("device", h) for h in prompt.block_hashes):
             assert time.monotonic() < deadline, "the engine's events never named the prompt's blocks"
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engine", "ftp://x"], "must be an http"),
+    (["--engine", "http://a", "--engine", "http://a"], "given twice"),
+])
+def test_router_command_refuses_bad_engines(capsys, argv, message):
+    from kvstrata.cli import main
+
+    assert main(["router", *argv]) == 2
+    assert message in capsys.readouterr().err
