@@ -18,8 +18,8 @@ from kvstrata.traces import read_mooncake
 def test_simulator_and_router_make_the_same_decisions(tmp_path, policy, capacity):
     """One simulation, two deciders per arrival: the simulator's router over its schedulers, and the
     `kvstrata router` side (its own policy object) over EventViews fed by the engines' KV events."""
-    trace = read_mooncake(synthetic_trace(tmp_path / "trace.jsonl", sessions=30, gap_ms=20, max_live=16), max_input_tokens=3000,
-                          max_output_tokens=8)
+    trace = read_mooncake(synthetic_trace(tmp_path / "trace.jsonl", sessions=30, gap_ms=20, max_live=16),
+                          max_input_tokens=3000, max_output_tokens=8)
     config = SimConfig(block_size=64, device_cache_tokens=4096, host_cache_tokens=4096, store_cache_tokens=0,
                        instances=3, router=policy)
     sim = Simulator(trace, config, fixed_cost(per_prefill_token=2e-5, per_decode=1e-3))
