@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,8 +305,12 @@ async def _route(fleet: Fleet, request: Request, path: str) -> Response:
             continue
         media_type = upstream.headers.get("content-type", "")
         if media_type.startswith("text/event-stream"):
-            return StreamingResponse(_relay(fleet, view, upstream, settle), upstream.status_code,
-                                     media_type=media_type, headers={ENGINE_HEADER: view.url})
+            # Started here, so that its `finally` (settle, close the upstream) runs even if the client
+            # leaves before the reply begins: the event loop's async-generator hook closes it then.
+            relay = _relay(fleet, view, upstream, settle)
+            first = await anext(relay, b"")
+            return StreamingResponse(_chain(first, relay), upstream.status_code, media_type=media_type,
+                                     headers={ENGINE_HEADER: view.url})
         try:
             content = await upstream.aread()
         except httpx.TransportError as exc:        # it died before the answer was complete: ask another
@@ -319,6 +323,15 @@ async def _route(fleet: Fleet, request: Request, path: str) -> Response:
         return Response(content, upstream.status_code, media_type=media_type or None,
                         headers={ENGINE_HEADER: view.url})
     return _error(503, "no engine is available; retry later", "no_engine_available")
+
+
+async def _chain(first: bytes, rest: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
 
 
 async def _relay(fleet: Fleet, view: EventView, upstream: httpx.Response, settle) -> AsyncIterator[bytes]:
