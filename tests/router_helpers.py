@@ -35,8 +35,7 @@ def fake_engine(behaviour: str):
     """An engine's HTTP surface without a model, for failures a real one will not produce on cue.
 
     behaviour: "refuse" answers every generation with 503; "break" starts a stream, then drops the
-    connection; "slow" streams a chunk every 0.2 s for 10 s; "ok" streams one chunk and [DONE]. Its
-    KV events always say it holds nothing.
+    connection; "ok" streams one chunk and [DONE]. Its KV events always say it holds nothing.
     """
     import asyncio
 
@@ -64,9 +63,6 @@ def fake_engine(behaviour: str):
             yield b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'
             if behaviour == "break":
                 raise RuntimeError("the engine died mid-stream")
-            for _ in range(50 if behaviour == "slow" else 0):
-                await asyncio.sleep(0.2)
-                yield b'data: {"choices": [{"index": 0, "delta": {"content": "lo"}}]}\n\n'
             yield b"data: [DONE]\n\n"
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
