@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-slow serve bench clean
+.PHONY: install test test-slow serve fleet bench clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ SERVE_ARGS ?= --host-cache-memory 1GiB --store disk
 
 serve: $(STAMP)
 	$(BIN)/kvstrata serve $(SERVE_ARGS) $(ARGS)
+
+# One Redis, two engines sharing it as their store, `kvstrata router` in front (port 8000); Ctrl-C stops all.
+# Settings: PORT, POLICY, REDIS_PORT, ENGINE_PORTS, ENGINE_ARGS (see scripts/fleet.sh).
+fleet: $(STAMP)
+	BIN=$(BIN) scripts/fleet.sh
 
 # Peers (vLLM CPU, llama.cpp, transformers) install into bench/peers/venvs on first use, never into .venv.
 # About 40 minutes on 2 cores (plus ~15 for first installs); ARGS=--quick checks the pipeline in a few.

@@ -12,6 +12,7 @@ import time
 from kvstrata.bench.cli import add_bench
 from kvstrata.config import ServerConfig
 from kvstrata.flags import add_engine_flags, add_section_flags, engine_config
+from kvstrata.router import add_router
 from kvstrata.sim_cli import add_calibrate, add_simulate
 
 # ---- generate -----------------------------------------------------------------------------------
@@ -120,7 +121,7 @@ def ready_server(config, ready_line: str):
 
 
 # ---- entry --------------------------------------------------------------------------------------
-COMMANDS = [add_generate, add_serve, add_simulate, add_calibrate, add_bench]
+COMMANDS = [add_generate, add_serve, add_router, add_simulate, add_calibrate, add_bench]
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -91,7 +91,8 @@ class CacheConfig:
     cache_salt: str = _opt("", "salt mixed into every block hash (isolates tenants sharing a store)")
     host_cache_memory: int = _opt(0, "bytes of host memory for the host KV tier (0: no host tier)", size=True)
     num_host_blocks: int | None = _opt(None, "exact number of host KV blocks (overrides --host-cache-memory)")
-    store: str = _opt("none", "KV store below host memory: none, disk, or redis://host:port/db")
+    store: str = _opt("none", "KV store below host memory: none, disk, redis://host:port/db, or a Redis "
+                              "Cluster: redis+cluster://host:port,host:port,...")
     store_path: str | None = _opt(None, "folder of the disk store (default: $KVSTRATA_CACHE_DIR/store, "
                                         "else ~/.cache/kvstrata/store)")
     store_capacity: int = _opt(20 * 1024**3, "byte budget of the disk store (least recently read deleted first)",
@@ -117,8 +118,8 @@ class CacheConfig:
                  "need 0 <= reserve_ratio_min <= reserve_ratio_init <= 1")
         _require(self.host_cache_memory >= 0, "host_cache_memory must not be negative")
         _require(self.num_host_blocks is None or self.num_host_blocks >= 0, "num_host_blocks must not be negative")
-        _require(self.store in ("none", "disk") or self.store.startswith("redis://"),
-                 f"store must be none, disk or a redis:// URL, not {self.store!r}")
+        _require(self.store in ("none", "disk") or self.store.startswith(("redis://", "redis+cluster://")),
+                 f"store must be none, disk, a redis:// or a redis+cluster:// URL, not {self.store!r}")
         _require(self.store_path is None or self.store == "disk",
                  f"store_path names a disk store folder, but the store is {self.store!r}")
         _require(self.store_capacity > 0, "store_capacity must be positive")

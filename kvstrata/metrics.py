@@ -71,6 +71,9 @@ class EngineCollector(Collector):
         yield _by_label("kvstrata_load_failures", "Store loads that fell back to recompute, by reason", "reason",
                         stats.load_failures)
         yield _by_label("kvstrata_store_errors", "Store operations that failed, by kind", "kind", stats.store_errors)
+        if engine.store is not None:      # a Redis Cluster's dead node costs misses, seen only here
+            yield _by_label("kvstrata_store_backend_errors", "Failed store calls as the store counts them (a "
+                            "cluster's per-node failures included), by kind", "kind", engine.store.stats().errors)
         yield _by_label("kvstrata_transfer_faults", "KV copies, encodes and decodes that raised (their blocks are "
                         "recomputed), by operation", "operation", stats.faults)
         yield CounterMetricFamily("kvstrata_store_dropped_writes", "Store writes dropped (queue full)",

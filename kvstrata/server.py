@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models[/{id}], /health,
-/metrics, and vLLM's /tokenize, /detokenize and /version.
+/metrics, and vLLM's /tokenize, /detokenize and /version; /v1/kv_events for routers.
 
 Every error is an OpenAI-format body `{"error": {"message", "type", "param", "code"}}` with the
 right status; nothing a client sends can crash the server or leave a block held. Parameters the
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstrata import __version__
 from kvstrata.engine import AsyncLLMEngine, ChatPrompt, Prompt
+from kvstrata.kv_events import publish
 from kvstrata.metrics import ServerMetrics
 from kvstrata.request import RequestOutput, SamplingParams, TokenLogprob
 
@@ -292,6 +293,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    events = publish(engine.engine.scheduler, engine.engine.hasher.root)
+
+    @app.get("/v1/kv_events")
+    async def kv_events(since: int = 0, instance: str | None = None, timeout: float = Query(0.0, ge=0.0, le=30.0)):
+        """What the caches hold, for routers (kvstrata.kv_events): long-polls up to `timeout` seconds."""
+        return await events.poll(since, instance, timeout)
 
     @app.get("/version")
     async def version():

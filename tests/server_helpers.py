@@ -30,39 +30,49 @@ def free_port() -> int:
 
 
 @contextmanager
+def serving(app, ready: str = "/health"):
+    """Serve an ASGI app on a free loopback port in a thread; yield its base url once `ready` answers
+    (or after 10 s); stop it on exit."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{base}{ready}", timeout=1).status_code < 500:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@contextmanager
 def running_server(loaded, api_key: str | None = None, max_queue: int = 256, faults=None, allowed_origins=(),
                    **options):
     """Yield (base_url, engine); on exit, stop the server and the engine thread."""
     options.setdefault("kv_cache_memory", "64MiB")
     engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded, faults=faults)
     async_engine = AsyncLLMEngine(engine).start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(async_engine, MODEL, api_key, max_queue, allowed_origins),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
     try:
-        yield base, engine
+        with serving(create_app(async_engine, MODEL, api_key, max_queue, allowed_origins)) as base:
+            yield base, engine
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         async_engine.shutdown()
 
 
 def start_server_process(*flags: str, env: dict[str, str] | None = None,
-                         log: IO[str] | None = None) -> tuple[subprocess.Popen, str]:
-    """`kvstrata serve` in a child process on a free port, once /health answers: (process, base url).
+                         log: IO[str] | None = None, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`kvstrata serve` in a child process on `port` (default: a free one), once /health answers:
+    (process, base url).
 
     Its output goes to a pipe, or to `log` (a file) for a server that logs more than a pipe holds.
     """
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvstrata", "serve", "--port", str(port), *flags],
                             stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

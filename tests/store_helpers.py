@@ -38,6 +38,7 @@ class RedisServer:
     port: int
     directory: Path
     process: subprocess.Popen | None = None
+    extra_args: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -46,7 +47,7 @@ class RedisServer:
     def start(self) -> None:
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory)],
+             "--appendonly", "no", "--dir", str(self.directory), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
@@ -83,6 +84,68 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
     finally:
         server.process.kill()
         server.process.wait()
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536:
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
+
+@dataclass
+class RedisClusterServers:
+    """A Redis Cluster of masters on loopback ports, no replicas, serving with a master down."""
+
+    masters: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{m.port}" for m in self.masters)
+
+    def start(self) -> None:
+        for master in self.masters:
+            master.start()
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{m.port}" for m in self.masters),
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 20
+        for master in self.masters:
+            client = master.client()
+            while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                assert time.monotonic() < deadline, "the cluster did not reach state ok within 20 s"
+                time.sleep(0.05)
+            client.close()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path) -> Iterator[RedisClusterServers]:
+    """A running 3-master Redis Cluster; fails (does not skip) when redis-server is missing."""
+    if os.environ.get("KVSTRATA_SKIP_REDIS") == "1":
+        pytest.skip("KVSTRATA_SKIP_REDIS=1")
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.fail(INSTALL_REDIS)
+    masters = []
+    for index in range(3):
+        directory = tmp_path / f"redis-{index}"
+        directory.mkdir()
+        masters.append(RedisServer(cluster_port(), directory, extra_args=(
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+            "--cluster-require-full-coverage", "no")))
+    cluster = RedisClusterServers(masters)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        for master in masters:
+            if master.process is not None and master.process.poll() is None:
+                master.process.kill()
+                master.process.wait()
 
 
 def hammer_disk_store(path: str, capacity_bytes: int, valid: dict[bytes, list[bytes]], seconds: float,

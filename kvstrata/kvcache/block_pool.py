@@ -19,14 +19,15 @@ intrusive linked list written in Python. Its order is the eviction order: caller
 free a request's blocks tail first, so the least reusable end of a chain goes first.
 
 Every mutation bumps `epoch`, so a plan computed against one state can prove it is
-committed against the same state.
+committed against the same state. A `listener`, when set, hears every hash that joins the index
+(True) or leaves it (False): that is what an engine publishes as KV events (kvstrata.kv_events).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstrata.kvcache.hashing import BlockHash
@@ -92,6 +93,7 @@ class BlockPool:
         self._num_used = 0
         self._num_in_flight = 0
         self.epoch = 0
+        self.listener: Callable[[BlockHash, bool], None] | None = None
 
     # ---- queries (pure) -------------------------------------------------------------------------
     @property
@@ -123,6 +125,10 @@ class BlockPool:
 
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._index
+
+    def hashes(self) -> list[BlockHash]:
+        """Every indexed hash (what a KV-event snapshot starts from)."""
+        return list(self._index)
 
     def lru_order(self) -> list[int]:
         """Cached block ids, next to be evicted first."""
@@ -197,7 +203,7 @@ class BlockPool:
         if block.block_hash is not None or block_hash in self._index:
             return block.block_hash is not None
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
-        self._index[block_hash] = block
+        self._indexed(block_hash, block)
         self.epoch += 1
         return True
 
@@ -226,7 +232,7 @@ class BlockPool:
         indexed = False
         if outcome is not BlockState.FREE and block_hash is not None and block_hash not in self._index:
             block.block_hash, block.token_ids = block_hash, tuple(token_ids)
-            self._index[block_hash] = block
+            self._indexed(block_hash, block)
             indexed = True
         if outcome is BlockState.USED:
             block.state, block.ref_cnt = BlockState.USED, 1
@@ -239,10 +245,17 @@ class BlockPool:
             self._free.append(block)
         return indexed
 
+    def _indexed(self, block_hash: BlockHash, block: Block) -> None:
+        self._index[block_hash] = block
+        if self.listener is not None:
+            self.listener(block_hash, True)
+
     def _forget(self, block: Block) -> None:
         if block.block_hash is not None:
             assert self._index.get(block.block_hash) is block, f"index lost block {block.block_id}"
             del self._index[block.block_hash]
+            if self.listener is not None:
+                self.listener(block.block_hash, False)
         block.block_hash = block.token_ids = None
 
     # ---- audit ----------------------------------------------------------------------------------
@@ -266,7 +279,7 @@ class BlockPool:
                 f"block {item.block_id} was reused after eviction"
             self._free.remove(block)
             block.state, block.block_hash, block.token_ids = BlockState.CACHED, item.block_hash, item.token_ids
-            self._index[item.block_hash] = block
+            self._indexed(item.block_hash, block)
             self._lru[block.block_id] = block
             self._lru.move_to_end(block.block_id, last=False)
         self.epoch += 1

@@ -5,6 +5,7 @@ bytes under keys, in batches, and manages its own capacity. Two implementations 
 
 * `DiskStore`  the embedded default: one file per block under a folder, a byte budget with LRU deletion.
 * `RedisStore` for engines sharing a cache: pipelined batches, a circuit breaker, Redis's own eviction.
+  (`RedisClusterStore`, in kvstrata.kvcache.redis_cluster, is the same over a Redis Cluster.)
 
 Contract for the caller (the tier manager): every operation either returns or raises `StoreError`,
 whose `kind` ("timeout", "connection", "io", "full", "server", "closed", "internal") is a metric label.
@@ -449,12 +450,16 @@ class RedisStore:
 
 
 def open_store(spec: str, path: str | None, capacity_bytes: int, timeout_s: float) -> Store | None:
-    """The store named by `--store`: "none" (None), "disk" (at `path`, default <cache dir>/store)
-    or a redis://host:port/db URL."""
+    """The store named by `--store`: "none" (None), "disk" (at `path`, default <cache dir>/store),
+    a redis://host:port/db URL, or a Redis Cluster's redis+cluster://host:port,host:port,..."""
     if spec == "none":
         return None
     if spec == "disk":
         return DiskStore(path or str(cache_dir() / "store"), capacity_bytes)
     if spec.startswith("redis://"):
         return RedisStore(spec, timeout_s)
-    raise ValueError(f"--store must be none, disk or a redis://host:port/db URL, not {spec!r}")
+    if spec.startswith("redis+cluster://"):
+        from kvstrata.kvcache.redis_cluster import RedisClusterStore
+        return RedisClusterStore(spec, timeout_s)
+    raise ValueError(f"--store must be none, disk, a redis://host:port/db URL or a "
+                     f"redis+cluster://host:port,... URL, not {spec!r}")
