@@ -336,5 +336,5 @@ def test_open_store(tmp_path):
     disk = open_store("disk", str(tmp_path / "store"), 1 << 20, 1.0)
     assert isinstance(disk, DiskStore) and disk.root == tmp_path / "store"
     assert isinstance(open_store(f"redis://127.0.0.1:{free_port()}/0", str(tmp_path), 1 << 20, 0.5), RedisStore)
-    with pytest.raises(ValueError, match="none, disk or a redis://"):
+    with pytest.raises(ValueError, match="none, disk, a redis://host:port/db URL or a redis\\+cluster://"):
         open_store("s3://bucket", str(tmp_path), 1 << 20, 1.0)
