@@ -254,9 +254,9 @@ class LLMEngine:
         self.stats.step_seconds += time.perf_counter() - started
         self.stats.generated_tokens += sum(chunk.sample + len(chunk.forks) for chunk in output.chunks)
         step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses
-        for chunk in output.chunks:
-            if chunk.request.first_scheduled_time is None:
-                chunk.request.first_scheduled_time = step_began
+        for request in (r for chunk in output.chunks for r in (chunk.request, *chunk.forks)):
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = step_began
         self.stats.prompt_tokens_computed += sum(
             max(0, min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens) - chunk.start)
             for chunk in output.chunks)

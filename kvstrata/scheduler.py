@@ -285,16 +285,14 @@ class Scheduler:
         """After the leader's last prompt token: its waiting samples take the prompt's blocks and
         their own first token, and run."""
         forked = [sample for sample in chunk.forks if not sample.is_finished]
-        if not chunk.forks:
-            return forked
-        chunk.request.family.forked = True
         for sample in forked:
             self.tiers.fork(chunk.request, sample)
             sample.num_cached_tokens = chunk.request.num_cached_tokens
-            sample.first_scheduled_time = chunk.request.first_scheduled_time
             sample.append_output(sampled[sample.request_id])
             sample.status = RequestStatus.RUNNING
             self.running.append(sample)
+        if chunk.forks:          # last: if a fork raised, ending the leader still ends every sample
+            chunk.request.family.forked = True
         return forked
 
     def _stop_status(self, request: Request) -> RequestStatus | None:

@@ -5,21 +5,11 @@ import httpx
 import openai
 import pytest
 from server_helpers import MODEL, blocks_at_rest, running_server, wait_idle
+from test_server import client, server  # noqa: F401  (fixtures: a live server of 256 blocks of 16, its client)
 
 from kvstrata.request import SamplingParams
 
 PROMPT = "Write one sentence about a lighthouse keeper who finds a strange map in a bottle"
-
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    with running_server(smollm2, num_device_blocks=256, block_size=16) as (base, engine):
-        yield base, engine
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused")
 
 
 def computed(engine) -> int:
