@@ -12,7 +12,8 @@ Three cases, each on a fresh engine (an empty cache), with the same prompt and s
     no_cache   n requests with prefix caching off: every one computes the whole prompt.
 Each run times `LLMEngine.generate` of --tokens sampled tokens per sequence (EOS ignored), and
 reads the engine's `prompt_tokens_computed`. Cases rotate within each repeat, in one process; the
-figures are the medians and the ratios to `family`, and how busy other jobs kept the cores just
+figures are the medians (wall time, and this process's CPU time, which barely moves when other jobs
+share the cores with --threads 1) and the ratios to `family`, and how busy other jobs kept the cores just
 before each run (each run first waits up to --patience seconds for them to quieten).
 """
 
@@ -37,6 +38,7 @@ CASES = ("family", "separate", "no_cache")
 @dataclass
 class Run:
     seconds: float
+    cpu_seconds: float             # of this process, all threads: steadier than wall time on a busy machine
     prompt_tokens_computed: int
     output_tokens: int
     busy: float
@@ -47,7 +49,7 @@ def run(loaded, case: str, prompt: list[int], n: int, tokens: int, seed: int, op
     engine = LLMEngine(EngineConfig.from_options(enable_prefix_caching=case != "no_cache", **options), loaded=loaded)
     base = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, ignore_eos=True)
     busy = wait_quiet(patience)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if case == "family":
         outputs = engine.generate([prompt], dataclasses.replace(base, n=n))
     else:
@@ -56,9 +58,9 @@ def run(loaded, case: str, prompt: list[int], n: int, tokens: int, seed: int, op
         outputs = []
         while engine.has_unfinished:
             outputs += [out for out in engine.step() if out.finished]
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     assert len(outputs) == n and all(out.num_output_tokens == tokens for out in outputs)
-    return Run(seconds, engine.stats.prompt_tokens_computed, sum(out.num_output_tokens for out in outputs), busy)
+    return Run(seconds, cpu_seconds, engine.stats.prompt_tokens_computed, sum(out.num_output_tokens for out in outputs), busy)
 
 
 def main() -> None:
@@ -87,15 +89,17 @@ def main() -> None:
         for case in order:
             result = run(loaded, case, prompt, args.n, args.tokens, args.seed, options, args.patience)
             runs[case].append(result)
-            print(f"  repeat {r} {case:9s} {result.seconds:6.2f} s, prompt tokens computed "
+            print(f"  repeat {r} {case:9s} {result.seconds:6.2f} s (CPU {result.cpu_seconds:6.2f} s), prompt tokens computed "
                   f"{result.prompt_tokens_computed:5d}, output tokens {result.output_tokens}, others {result.busy:.0%}",
                   flush=True)
     family = statistics.median(run.seconds for run in runs["family"])
+    family_cpu = statistics.median(run.cpu_seconds for run in runs["family"])
     for case in CASES:
         seconds = statistics.median(run.seconds for run in runs[case])
+        cpu = statistics.median(run.cpu_seconds for run in runs[case])
         computed = statistics.median(run.prompt_tokens_computed for run in runs[case])
-        print(f"{case:9s} median {seconds:6.2f} s ({seconds / family:.2f}x family), prompt tokens computed "
-              f"{computed:.0f} ({computed / args.prompt:.2f}x the prompt)")
+        print(f"{case:9s} median {seconds:6.2f} s ({seconds / family:.2f}x family), CPU {cpu:6.2f} s "
+              f"({cpu / family_cpu:.2f}x), prompt tokens computed {computed:.0f} ({computed / args.prompt:.2f}x the prompt)")
 
 
 if __name__ == "__main__":
