@@ -60,7 +60,8 @@ def run(loaded, case: str, prompt: list[int], n: int, tokens: int, seed: int, op
             outputs += [out for out in engine.step() if out.finished]
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     assert len(outputs) == n and all(out.num_output_tokens == tokens for out in outputs)
-    return Run(seconds, cpu_seconds, engine.stats.prompt_tokens_computed, sum(out.num_output_tokens for out in outputs), busy)
+    return Run(seconds, cpu_seconds, engine.stats.prompt_tokens_computed,
+               sum(out.num_output_tokens for out in outputs), busy)
 
 
 def main() -> None:
@@ -89,7 +90,8 @@ def main() -> None:
         for case in order:
             result = run(loaded, case, prompt, args.n, args.tokens, args.seed, options, args.patience)
             runs[case].append(result)
-            print(f"  repeat {r} {case:9s} {result.seconds:6.2f} s (CPU {result.cpu_seconds:6.2f} s), prompt tokens computed "
+            print(f"  repeat {r} {case:9s} {result.seconds:6.2f} s (CPU {result.cpu_seconds:6.2f} s), "
+                  f"prompt tokens computed "
                   f"{result.prompt_tokens_computed:5d}, output tokens {result.output_tokens}, others {result.busy:.0%}",
                   flush=True)
     family = statistics.median(run.seconds for run in runs["family"])
@@ -99,7 +101,8 @@ def main() -> None:
         cpu = statistics.median(run.cpu_seconds for run in runs[case])
         computed = statistics.median(run.prompt_tokens_computed for run in runs[case])
         print(f"{case:9s} median {seconds:6.2f} s ({seconds / family:.2f}x family), CPU {cpu:6.2f} s "
-              f"({cpu / family_cpu:.2f}x), prompt tokens computed {computed:.0f} ({computed / args.prompt:.2f}x the prompt)")
+              f"({cpu / family_cpu:.2f}x), prompt tokens computed {computed:.0f} "
+              f"({computed / args.prompt:.2f}x the prompt)")
 
 
 if __name__ == "__main__":
