@@ -5,7 +5,8 @@ prompt block were wrong (or shared while written) fails its first decode.
 """
 
 import pytest
-from fakes import FakeMover, FakeRunner, drain, make_family, make_request, make_scheduler, step
+from fakes import FakeMover, FakeRunner, drain, make_family, make_request, make_scheduler, make_tiered_scheduler, step
+from tier_scenarios import PREFIX, drive, evict_everything, reference_outputs
 
 from kvstrata.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.block_pool import BlockState
@@ -156,3 +157,21 @@ def test_a_failed_copy_costs_the_sample_a_recompute_of_the_last_block():
     assert prompt_tokens_computed(outputs) == len(PROMPT) + 2
     assert scheduler.tiers.stats.faults == {"copy": 1}
     assert scheduler.tiers.audit()["device"].used == 0
+
+
+@pytest.mark.parametrize("tier", ["host", "store"])
+def test_a_family_whose_prompt_is_in_a_lower_tier_loads_once_then_forks(tier):
+    scheduler, runner, executor, _, _ = make_tiered_scheduler(num_blocks=16, num_host_blocks=16 if tier == "host"
+                                                              else 2, store=tier == "store")
+    drive(scheduler, runner, executor, [make_request("a", PREFIX + [99], max_tokens=2)])
+    evict_everything(scheduler, runner, executor, "fill")
+    if tier == "store":
+        evict_everything(scheduler, runner, executor, "more")
+    leader = make_family("f", PREFIX + [98, 97], n=3, max_tokens=5)
+    drive(scheduler, runner, executor, [leader])                       # the runner checks every KV read
+    samples = leader.family.samples
+    assert leader.num_cached_tokens == 16 and scheduler.tiers.stats.hit_tokens[tier] > 0
+    assert leader.output_token_ids == list(reference_outputs([PREFIX + [98, 97]]).values())[0]
+    assert all(s.num_output_tokens == 5 for s in samples) and leader.family.forked
+    counts = scheduler.tiers.audit()["device"]
+    assert counts.used == 0 and counts.in_flight == 0
