@@ -7,6 +7,7 @@ import pytest
 from server_helpers import MODEL, blocks_at_rest, running_server, wait_idle
 from test_server import client, server  # noqa: F401  (fixtures: a live server of 256 blocks of 16, its client)
 
+from kvstrata.faults import FaultInjector
 from kvstrata.request import SamplingParams
 
 PROMPT = "Write one sentence about a lighthouse keeper who finds a strange map in a bottle"
@@ -124,3 +125,14 @@ def test_the_llm_engine_returns_n_outputs_per_prompt_best_first_with_best_of(mak
         assert pair[0].cumulative_logprob >= pair[1].cumulative_logprob
         assert all(not o.logprobs and len(o.new_token_ids) == 5 for o in pair)
     assert engine.tiers.audit()["device"].used == 0
+
+
+def test_a_failed_prefill_ends_every_sample_of_the_family_and_returns_every_block(make_engine):
+    faults = FaultInjector()
+    engine = make_engine(faults=faults)
+    faults.arm("execute")                                   # the leader's prefill step raises
+    engine.add_request(PROMPT, SamplingParams(n=3, max_tokens=4), request_id="f")
+    outputs = engine.step()
+    assert sorted((o.request_id, o.index, o.finish_reason) for o in outputs) == [("f", i, "error") for i in range(3)]
+    assert not engine.has_unfinished and engine.tiers.audit()["device"].used == 0
+    assert engine.abort("f") == []                          # nothing left to abort
