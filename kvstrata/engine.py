@@ -32,7 +32,8 @@ from kvstrata.kvcache.storage import open_store
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.loader import LoadedModel, load_model
-from kvstrata.request import Request, RequestOutput, RequestRejected, RequestStatus, SamplingParams
+from kvstrata.request import (Request, RequestOutput, RequestRejected, RequestStatus, SampleFamily, SamplingParams,
+                              best_samples)
 from kvstrata.runner import ModelRunner, StepResult
 from kvstrata.scheduler import Scheduler, SchedulerOutput
 
@@ -71,11 +72,14 @@ class EngineStats:
 
 @dataclass
 class _Tracked:
-    """Engine-side state of one request beside its ledger."""
+    """Engine-side state of one request (one sample of a family) beside its ledger."""
 
     request: Request
     detokenizer: IncrementalDetokenizer
+    family_id: str                     # the id the caller knows (a family's samples share it)
+    show_logprobs: bool                # the caller asked (best_of also scores the samples that did not)
     logprobs: list = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
 
 class LLMEngine:
@@ -99,6 +103,7 @@ class LLMEngine:
         self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
+        self._families: dict[str, list[str]] = {}     # family id -> its samples' request ids (n > 1)
         self._ids = itertools.count()
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -123,7 +128,10 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None) -> Request:
         """Tokenize, validate and queue a request; ValueError (nothing queued) if it cannot run.
 
-        `params.max_tokens` None means as many as the context leaves after the prompt.
+        `params.max_tokens` None means as many as the context leaves after the prompt. With n or
+        best_of above 1 the request is a family of samples `{request_id}/{index}` sharing one
+        prefill (see SampleFamily); its outputs carry `request_id` and their `index`. Returns the
+        request (a family's leader).
         """
         token_ids = self.encode(prompt)
         params = params or SamplingParams()
@@ -133,13 +141,27 @@ class LLMEngine:
         vocab = self.loaded.arch.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise RequestRejected(f"token ids must be in [0, {vocab})", "prompt")
-        request = Request(request_id or f"req-{next(self._ids)}", token_ids, params, self.hasher,
-                          arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                          priority=priority)
-        self.scheduler.add_request(request)
-        self._tracked[request.request_id] = _Tracked(
-            request, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop))
-        return request
+        request_id = request_id or f"req-{next(self._ids)}"
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        num_samples = params.num_samples
+        samples = [Request(request_id if num_samples == 1 else f"{request_id}/{index}", token_ids,
+                           params.for_sample(index) if num_samples > 1 else params, self.hasher,
+                           arrival_time=arrival, priority=priority, sample_index=index)
+                   for index in range(num_samples)]
+        if request_id in self._families or (num_samples > 1 and request_id in self._tracked):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if num_samples > 1:
+            family = SampleFamily(request_id, samples)
+            for sample in samples:
+                sample.family = family
+        self.scheduler.add_request(samples[0])
+        if num_samples > 1:
+            self._families[request_id] = [sample.request_id for sample in samples]
+        for sample in samples:
+            self._tracked[sample.request_id] = _Tracked(
+                sample, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop), request_id,
+                show_logprobs=params.logprobs is not None)
+        return samples[0]
 
     @property
     def has_unfinished(self) -> bool:
@@ -177,13 +199,10 @@ class LLMEngine:
         requests = [chunk.request for chunk in output.chunks] if output is not None else self.scheduler.in_step
         logger.error("engine step failed; ending its %d requests with an error: %r", len(requests), exc,
                      exc_info=exc)
-        outputs = []
         for request in dict.fromkeys(requests):
             if not request.is_finished:
                 self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ERROR)
-            tracked = self._tracked.get(request.request_id)
-            if tracked is not None:
-                outputs.append(self._output(tracked, []))
+        outputs = self._final_outputs()        # with the samples that ended with their leader
         try:
             self.scheduler.audit()
         except AssertionError as audit_error:
@@ -200,6 +219,7 @@ class LLMEngine:
             tracked = self._tracked[request_id]
             if request_id in result.logprobs:
                 tracked.logprobs.append(result.logprobs[request_id])
+                tracked.cumulative_logprob += result.logprobs[request_id].logprob
             if tracked.detokenizer.add(token_id) is not None:     # a stop string: "stop", even at the length limit
                 if request_id in done:
                     tracked.request.status = RequestStatus.FINISHED_STOPPED
@@ -212,22 +232,31 @@ class LLMEngine:
     def _output(self, tracked: _Tracked, new_token_ids: list[int]) -> RequestOutput:
         request = tracked.request
         finished = request.is_finished
-        logprobs = tracked.logprobs[-len(new_token_ids):] if tracked.logprobs and new_token_ids else []
+        shown = tracked.logprobs if tracked.show_logprobs else []
+        logprobs = shown[-len(new_token_ids):] if shown and new_token_ids else []
         if finished:
             del self._tracked[request.request_id]
-        return RequestOutput(request.request_id, new_token_ids, tracked.detokenizer.delta(final=finished),
+            if tracked.family_id in self._families and not any(
+                    rid in self._tracked for rid in self._families[tracked.family_id]):
+                del self._families[tracked.family_id]
+        return RequestOutput(tracked.family_id, new_token_ids, tracked.detokenizer.delta(final=finished),
                              finished, request.status.finish_reason, request.num_prompt_tokens,
                              max(0, request.num_cached_tokens), request.num_output_tokens, logprobs,
-                             request.first_scheduled_time)
+                             request.first_scheduled_time, request.sample_index,
+                             tracked.cumulative_logprob if tracked.logprobs else None)
+
+    def _final_outputs(self) -> list[RequestOutput]:
+        """The last output of every tracked request that has finished (each is reported once)."""
+        return [self._output(tracked, []) for tracked in list(self._tracked.values()) if tracked.request.is_finished]
 
     def _account(self, output: SchedulerOutput, started: float) -> None:
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - started
-        self.stats.generated_tokens += sum(chunk.sample for chunk in output.chunks)
+        self.stats.generated_tokens += sum(chunk.sample + len(chunk.forks) for chunk in output.chunks)
         step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses
-        for chunk in output.chunks:
-            if chunk.request.first_scheduled_time is None:
-                chunk.request.first_scheduled_time = step_began
+        for request in (r for chunk in output.chunks for r in (chunk.request, *chunk.forks)):
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = step_began
         self.stats.prompt_tokens_computed += sum(
             max(0, min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens) - chunk.start)
             for chunk in output.chunks)
@@ -239,11 +268,12 @@ class LLMEngine:
                 raise
 
     # ---- other transitions ----------------------------------------------------------------------
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request in any state and release its blocks; its final output, or None if unknown."""
-        if self.scheduler.finish(request_id) is None:
-            return None
-        return self._output(self._tracked[request_id], [])
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """End a request (every sample of a family) in any state and release its blocks; the final
+        outputs of what was still running (none if the id is unknown or done)."""
+        for sample_id in self._families.get(request_id, [request_id]):
+            self.scheduler.finish(sample_id)
+        return self._final_outputs()
 
     def close(self, timeout: float = 5.0) -> None:
         """Abort what is left, write the cache to the store (`persist`), let transfers settle (up to
@@ -260,13 +290,17 @@ class LLMEngine:
             self.store.close()
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; one combined output per prompt, in order."""
+        """Run prompts to completion; one combined output per prompt and returned sample (n of them,
+        the best by cumulative logprob when best_of > n), in prompt order, then index order."""
+        params = params or SamplingParams()
         requests = [self.add_request(p, params) for p in prompts]
-        collected: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+        ids = [r.family.family_id if r.family is not None else r.request_id for r in requests]
+        collected: dict[tuple[str, int], list[RequestOutput]] = {}
         while self.has_unfinished:
             for out in self.step():
-                collected[out.request_id].append(out)
-        return [_combine(collected[r.request_id]) for r in requests]
+                collected.setdefault((out.request_id, out.index), []).append(out)
+        return [out for rid in ids for out in best_samples(
+            [_combine(collected[(rid, index)]) for index in range(params.num_samples)], params.n)]
 
 
 def resolve_max_model_len(asked: int | None, arch: ModelArch) -> int:
@@ -287,7 +321,8 @@ def _combine(parts: list[RequestOutput]) -> RequestOutput:
     last = parts[-1]
     return RequestOutput(last.request_id, [t for p in parts for t in p.new_token_ids], "".join(p.text for p in parts),
                          last.finished, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens,
-                         last.num_output_tokens, [lp for p in parts for lp in p.logprobs])
+                         last.num_output_tokens, [lp for p in parts for lp in p.logprobs],
+                         last.first_scheduled_time, last.index, last.cumulative_logprob)
 
 
 class AsyncLLMEngine:
@@ -301,6 +336,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._unfinished_samples: dict[str, int] = {}      # per stream: samples still running
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
@@ -317,7 +353,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs as steps produce them. ValueError if it cannot run."""
+        """Queue a request and yield its outputs as steps produce them (a family's samples interleaved,
+        told apart by `index`), until every sample finished. ValueError if it cannot run."""
         if self.error is not None or self._stop.is_set():
             raise RuntimeError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -330,13 +367,15 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:
             self.abort(request_id)     # queued after the add, so it cannot be overtaken
             raise
+        unfinished = (params or SamplingParams()).num_samples
         finished = False
         try:
             while not finished:
                 out = await outputs.get()
                 if isinstance(out, BaseException):
                     raise out
-                finished = out.finished
+                unfinished -= out.finished
+                finished = not unfinished
                 yield out
         finally:
             if not finished:
@@ -382,6 +421,7 @@ class AsyncLLMEngine:
             for loop, stream in self._streams.values():
                 _post(loop, stream.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
             self._streams.clear()
+            self._unfinished_samples.clear()
 
     def _drain_commands(self) -> None:
         while True:
@@ -392,13 +432,11 @@ class AsyncLLMEngine:
             if kind == "add":
                 self._add(payload, future, stream)
             elif kind == "abort":
-                out = self.engine.abort(payload)
-                if out is not None:
+                for out in self.engine.abort(payload):
                     self._deliver(out)
             elif kind == "abort_all":
                 for request_id in list(self._streams):
-                    out = self.engine.abort(request_id)
-                    if out is not None:
+                    for out in self.engine.abort(request_id):
                         self._deliver(out)
 
     def _add(self, payload: tuple, future: asyncio.Future, stream: tuple) -> None:
@@ -410,12 +448,18 @@ class AsyncLLMEngine:
             _post(loop, _settle, future, exc)
             return
         self._streams[request_id] = stream
+        self._unfinished_samples[request_id] = (params or SamplingParams()).num_samples
         _post(loop, _settle, future, None)
 
     def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-        if target is not None:
-            _post(target[0], target[1].put_nowait, out)
+        target = self._streams.get(out.request_id)
+        if target is None:
+            return
+        if out.finished:
+            self._unfinished_samples[out.request_id] -= 1
+            if not self._unfinished_samples[out.request_id]:
+                del self._streams[out.request_id], self._unfinished_samples[out.request_id]
+        _post(target[0], target[1].put_nowait, out)
 
 
 def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:

@@ -11,6 +11,7 @@ the tier manager owns those.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from kvstrata.kvcache.hashing import BlockHash, BlockHasher
 
 MAX_STOP_STRINGS = 16
 MIN_TEMPERATURE = 1e-5
+MAX_SAMPLES = 16               # n and best_of: a family's samples share one prefill
 
 
 class RequestRejected(ValueError):
@@ -37,6 +39,7 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 1      # waiting again after losing its blocks; resumes before new requests
     LOADING = 2        # blocks committed, waiting for lower-tier loads to land
     RUNNING = 3
+    AWAITING_FORK = 4  # a sample of a family: waits for its leader's prefill, then forks from it
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
@@ -75,6 +78,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None    # top-n logprobs per output token; 0 = the sampled token's only
+    n: int = 1                     # completions returned
+    best_of: int | None = None     # completions sampled (None: n); the n of highest cumulative logprob return
+
+    @property
+    def num_samples(self) -> int:
+        """Samples to run: best_of, or n. More than one makes a family sharing one prefill."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:
@@ -104,7 +114,18 @@ class SamplingParams:
                  "stop_token_ids must be non-negative integers")
         _require(self.logprobs is None or 0 <= self.logprobs <= 20,
                  f"logprobs must be between 0 and 20, not {self.logprobs}")
+        _require(isinstance(self.n, int) and 1 <= self.n <= MAX_SAMPLES,
+                 f"n must be between 1 and {MAX_SAMPLES}, not {self.n}")
+        _require(self.best_of is None or (isinstance(self.best_of, int) and self.n <= self.best_of <= MAX_SAMPLES),
+                 f"best_of must be between n ({self.n}) and {MAX_SAMPLES}, not {self.best_of}")
         return self
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """One sample's parameters: its own seed stream (seed + index, as vLLM), and the sampled
+        token's logprob when best_of must rank the samples by it."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        logprobs = 0 if self.logprobs is None and self.num_samples > self.n else self.logprobs
+        return dataclasses.replace(self, seed=seed, logprobs=logprobs, n=1, best_of=None)
 
 
 @dataclass(eq=False)
@@ -125,6 +146,8 @@ class Request:
     num_cached_tokens: int = -1    # prompt tokens served from cache at first admission; -1 until admitted
     first_scheduled_time: float | None = None      # monotonic time of the first step that computed it
     num_preemptions: int = 0
+    family: SampleFamily | None = None              # the samples of one request that share its prefill
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
         _require(len(self.prompt_token_ids) >= 1, "the prompt must hold at least one token")
@@ -159,6 +182,34 @@ class Request:
         self.hasher.extend(self.block_hashes, self.token_ids)
 
 
+@dataclass(eq=False)
+class SampleFamily:
+    """The samples of one request (n or best_of > 1), which compute its prompt once.
+
+    The leader (sample 0) is admitted, with room for the whole family, and prefills the prompt;
+    the others wait in AWAITING_FORK. The step that samples the leader's first token samples
+    theirs from the same logits, and each forks: it holds the leader's full prompt blocks (one
+    more reference each) and a private copy of the partly filled last one. From then on each
+    sample is a request of its own that shares those blocks.
+
+        leader:    [ p0 p1 p2 p3 | p4 p5 p6 p7 | p8 p9 t0 .. ]
+        sample 1:  [ shared      | shared      | p8 p9 u0 .. ]   (last block copied at the fork)
+    """
+
+    family_id: str
+    samples: list[Request]
+    forked: bool = False
+
+    @property
+    def leader(self) -> Request:
+        return self.samples[0]
+
+    @property
+    def pending(self) -> list[Request]:
+        """The samples still waiting to fork (none once the fork happened)."""
+        return [] if self.forked else [s for s in self.samples[1:] if not s.is_finished]
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -180,3 +231,14 @@ class RequestOutput:
     num_output_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None     # monotonic; when the request was first computed (metrics)
+    index: int = 0                 # which sample of its request (n / best_of > 1)
+    cumulative_logprob: float | None = None       # of the sampled tokens so far, when they were scored
+
+
+def best_samples(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """The n samples to return, renumbered 0..n-1: all of them when they are n, else the n of
+    highest cumulative logprob (vLLM's best_of rule; the raw logprobs of the sampled tokens)."""
+    if len(outputs) == n:
+        return outputs
+    ranked = sorted(outputs, key=lambda out: -(out.cumulative_logprob or 0.0))[:n]
+    return [dataclasses.replace(out, index=index) for index, out in enumerate(ranked)]

@@ -78,6 +78,10 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.model(batch, self.kv)                              # (S, V) float32
         sampling = [c.request for c in chunks if c.sample]
+        forks = [(row, sample) for row, c in enumerate(c for c in chunks if c.sample) for sample in c.forks]
+        if forks:       # a family's other samples draw their first token from the leader's logits
+            logits = torch.cat([logits, logits[[row for row, _ in forks]]])                 # (S + F, V)
+            sampling += [sample for _, sample in forks]
         result = self.sampler(logits, sampling)
         ids = [r.request_id for r in sampling]
         return StepResult(dict(zip(ids, result.token_ids)),

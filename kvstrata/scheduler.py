@@ -12,6 +12,12 @@ One token budget per step, no separate prefill and decode phases:
 
 Preempted requests keep their full blocks CACHED, so resuming usually re-hits them, and they
 resume before any new request. A request that could never fit is refused at `add_request`.
+
+Families (n / best_of > 1, see `SampleFamily`): only the leader queues; its admission takes room
+for every sample, and the step that samples its first token forks the others, which run from then
+on as requests of their own. A family's samples rank side by side (index last), so preempting one
+preempts those of its samples not yet scheduled in the step; before the fork, the leader's
+preemption gives back the others' places too. Ending the leader before the fork ends them all.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class ScheduledChunk:
     token_ids: list[int]
     block_ids: list[int]       # the request's whole block table
     sample: bool               # the chunk reaches the last token: its logits pick the next one
+    forks: tuple[Request, ...] = ()   # samples of the request's family that fork from these logits
 
     @property
     def num_tokens(self) -> int:
@@ -78,10 +85,16 @@ class Scheduler:
 
     # ---- intake ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request, or raise ValueError if it could never run to completion."""
+        """Queue a request (a family: its leader), or raise ValueError if it could never run to completion."""
         max_len = self.config.max_model_len
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        samples = request.family.samples if request.family is not None else [request]
+        assert samples[0] is request, "a family is added through its leader"
+        for sample in samples:
+            if sample.request_id in self.requests:
+                raise ValueError(f"request id {sample.request_id!r} is already in use")
+        if len(samples) > self.config.max_num_seqs:
+            raise RequestRejected(f"{len(samples)} samples of one request cannot run at once: this server runs "
+                                  f"at most {self.config.max_num_seqs} sequences; lower n or best_of", "n")
         if request.num_prompt_tokens >= max_len:
             raise RequestRejected(f"the prompt has {request.num_prompt_tokens} tokens, but this server accepts "
                                   f"at most {max_len} tokens per request and at least one must be generated",
@@ -92,19 +105,30 @@ class Scheduler:
                                   f"{request.sampling.max_tokens} in the completion); lower max_tokens",
                                   "max_tokens")
         need = math.ceil((request.max_total_tokens - 1) / self.tiers.block_size)
+        shared = request.num_prompt_tokens // self.tiers.block_size
+        need += (len(samples) - 1) * (need - shared)     # the full prompt blocks are held once
         if need > self.tiers.device.num_blocks:
             raise RequestRejected(f"the request may need {need} KV blocks but the device cache holds only "
-                                  f"{self.tiers.device.num_blocks}; lower max_tokens or give the cache more "
-                                  "memory", "max_tokens")
+                                  f"{self.tiers.device.num_blocks}; lower max_tokens (or n) or give the cache "
+                                  "more memory", "max_tokens")
+        order = next(self._seq)
+        for sample in samples:
+            sample.status = RequestStatus.AWAITING_FORK
+            self.requests[sample.request_id] = sample
+            self._arrival_order[sample.request_id] = order
         request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self._arrival_order[request.request_id] = next(self._seq)
         self._enqueue(request)
 
     def _rank(self, request: Request) -> tuple:
-        """Best first: lower priority value (under the priority policy), then earlier arrival."""
+        """Best first: lower priority value (under the priority policy), then earlier arrival; a
+        family's samples share everything but their index, so they sit together."""
         priority = request.priority if self.config.policy == "priority" else 0
-        return priority, request.arrival_time, self._arrival_order[request.request_id]
+        return priority, request.arrival_time, self._arrival_order[request.request_id], request.sample_index
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences counted against max_num_seqs: running, loading, and samples waiting to fork."""
+        return len(self.running) + len(self.loading) + self.tiers.num_pending_forks
 
     def _enqueue(self, request: Request) -> None:
         key = (request.status is not RequestStatus.PREEMPTED, *self._rank(request), next(self._seq))
@@ -149,10 +173,10 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             while not self.tiers.grow(request, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
+                for victim in self._victims(index):
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                if request.status is not RequestStatus.RUNNING:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
@@ -163,6 +187,14 @@ class Scheduler:
             budget = self._admit(budget, chunks)
         self.tiers.on_step(nonempty=bool(chunks))
         return SchedulerOutput(chunks, preempted)
+
+    def _victims(self, index: int) -> list[Request]:
+        """The worst running request, with the samples of its family not yet scheduled in this step
+        (from `index` on), last first."""
+        worst = self.running[-1]
+        if worst.family is None:
+            return [worst]
+        return [r for r in reversed(self.running[index:]) if r.family is worst.family]
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         deferred: list[Request] = []        # waiting for blocks another request is computing now
@@ -175,7 +207,8 @@ class Scheduler:
     def _admit_in_order(self, budget: int, chunks: list[ScheduledChunk], deferred: list[Request]) -> int:
         whole = not self.config.enable_chunked_prefill
         for request in self._admission_order():
-            if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+            seats = 1 + (len(request.family.pending) if request.family is not None else 0)
+            if budget <= 0 or self.num_seats + seats > self.config.max_num_seqs:
                 break
             if not self.tiers.prepare(request):
                 break                               # its store lookup has not answered yet
@@ -223,9 +256,10 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
+        forks = tuple(request.family.pending) if sample and request.family is not None else ()
         return ScheduledChunk(request, start, request.token_ids[start:start + num_new],
-                              self.tiers.block_ids(request.request_id),
-                              sample=start + num_new == request.num_tokens)
+                              self.tiers.block_ids(request.request_id), sample=sample, forks=forks)
 
     # ---- after the step -------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
@@ -239,12 +273,27 @@ class Scheduler:
             if chunk.sample:
                 request.append_output(sampled[request.request_id])
             self.tiers.cache_full_blocks(request)   # after the ledger: its copies fail without raising
-            if chunk.sample:
-                status = self._stop_status(request)
+            samples = [request] + self._fork(chunk, sampled)
+            for sample in samples if chunk.sample else ():
+                status = self._stop_status(sample)
                 if status is not None:
-                    self._finish(request, status)
-                    finished.append(request)
+                    self._finish(sample, status)
+                    finished.append(sample)
         return finished
+
+    def _fork(self, chunk: ScheduledChunk, sampled: Mapping[str, int]) -> list[Request]:
+        """After the leader's last prompt token: its waiting samples take the prompt's blocks and
+        their own first token, and run."""
+        forked = [sample for sample in chunk.forks if not sample.is_finished]
+        for sample in forked:
+            self.tiers.fork(chunk.request, sample)
+            sample.num_cached_tokens = chunk.request.num_cached_tokens
+            sample.append_output(sampled[sample.request_id])
+            sample.status = RequestStatus.RUNNING
+            self.running.append(sample)
+        if chunk.forks:          # last: if a fork raised, ending the leader still ends every sample
+            chunk.request.family.forked = True
+        return forked
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling
@@ -267,6 +316,9 @@ class Scheduler:
         return request
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.family is not None and request is request.family.leader:
+            for sample in request.family.pending:       # before the fork, the leader's end is theirs
+                self._finish(sample, status)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.LOADING:
@@ -278,11 +330,15 @@ class Scheduler:
         del self._arrival_order[request.request_id]
 
     def preempt(self, request_id: str) -> bool:
-        """Preempt a running or loading request now (operators and tests); False if it is neither."""
+        """Preempt a running or loading request now, with the samples of its family (operators and
+        tests); False if it is neither running nor loading."""
         request = self.requests.get(request_id)
-        if request is None or request.status not in (RequestStatus.RUNNING, RequestStatus.LOADING):
+        active = (RequestStatus.RUNNING, RequestStatus.LOADING)
+        if request is None or request.status not in active:
             return False
-        self._preempt(request)
+        for sample in request.family.samples if request.family is not None else [request]:
+            if sample.status in active:
+                self._preempt(sample)
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -300,13 +356,15 @@ class Scheduler:
         self._enqueue(request)
 
     def set_priority(self, request_id: str, priority: int) -> None:
+        """Change a request's priority (a family's: all its samples', so they keep ranking together)."""
         request = self.requests[request_id]
-        request.priority = priority
-        if request_id in self._waiting_key:
-            self._enqueue(request)     # the old heap entry goes stale
-            if len(self._waiting) > 2 * len(self._waiting_key) + 64:
-                self._waiting = [(k, r) for k, r in self._waiting if self._waiting_key.get(r.request_id) == k]
-                heapq.heapify(self._waiting)
+        for sample in request.family.samples if request.family is not None else [request]:
+            sample.priority = priority
+            if sample.request_id in self._waiting_key:
+                self._enqueue(sample)     # the old heap entry goes stale
+        if len(self._waiting) > 2 * len(self._waiting_key) + 64:
+            self._waiting = [(k, r) for k, r in self._waiting if self._waiting_key.get(r.request_id) == k]
+            heapq.heapify(self._waiting)
 
     # ---- audit ----------------------------------------------------------------------------------
     def audit(self) -> None:
@@ -315,7 +373,7 @@ class Scheduler:
         loading_ids = {r.request_id for r in self.loading}
         assert len(running_ids) == len(self.running), "a request is listed twice in running"
         assert len(loading_ids) == len(self.loading), "a request is listed twice in loading"
-        assert len(self.running) + len(self.loading) <= self.config.max_num_seqs, "more than max_num_seqs admitted"
+        assert self.num_seats <= self.config.max_num_seqs, "more than max_num_seqs admitted"
         assert running_ids.isdisjoint(self._waiting_key) and loading_ids.isdisjoint(self._waiting_key) \
             and running_ids.isdisjoint(loading_ids), "a request is in two queues"
         for request_id, request in self.requests.items():
@@ -326,6 +384,13 @@ class Scheduler:
             assert loading == (request_id in loading_ids) == self.tiers.is_loading(request_id), \
                 f"{request_id} is {request.status.name} but its load says otherwise"
             assert (running or loading) == self.tiers.holds(request_id), f"{request_id} blocks disagree with status"
-            assert running or loading or request_id in self._waiting_key, f"{request_id} is in no queue"
+            awaiting = request.status is RequestStatus.AWAITING_FORK
+            if awaiting:
+                leader = request.family.leader
+                assert not request.family.forked and self.requests.get(leader.request_id) is leader, \
+                    f"{request_id} waits to fork from {leader.request_id}, which is gone or forked"
+                assert self.tiers.has_fork(request_id) == self.tiers.holds(leader.request_id), \
+                    f"{request_id} has a place exactly while its leader {leader.request_id} holds blocks"
+            assert running or loading or awaiting or request_id in self._waiting_key, f"{request_id} is in no queue"
         assert set(self._waiting_key) <= set(self.requests), "an unknown request is waiting"
         self.tiers.audit()

@@ -10,6 +10,7 @@ OpenAI API defines but kvstrata does not implement are refused with 400, never s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -31,7 +32,7 @@ from kvstrata import __version__
 from kvstrata.engine import AsyncLLMEngine, ChatPrompt, Prompt
 from kvstrata.kv_events import publish
 from kvstrata.metrics import ServerMetrics
-from kvstrata.request import RequestOutput, SamplingParams, TokenLogprob
+from kvstrata.request import MAX_SAMPLES, RequestOutput, SamplingParams, TokenLogprob, best_samples
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 # Defined by the OpenAI API, not implemented here: a request that sets one to a non-default value gets 400.
 UNSUPPORTED = {
-    "n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "tools": None,
+    "echo": False, "suffix": None, "logit_bias": None, "tools": None,
     "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
     "parallel_tool_calls": None, "audio": None, "modalities": None, "prediction": None,
     "web_search_options": None, "reasoning_effort": None, "service_tier": None, "store": None,
@@ -77,9 +78,9 @@ class _SamplingBody(BaseModel):
     min_tokens: int = Field(default=0, ge=0)          # extension
     priority: int = 0                                 # extension: lower is served first (policy=priority)
     user: str | None = None                           # accepted; kvstrata keeps no per-user state
+    n: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)          # None: 1
+    best_of: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)    # sampled; the n best return
     # Defined by OpenAI, refused unless default (see UNSUPPORTED).
-    n: int | None = None
-    best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -122,6 +123,7 @@ class _SamplingBody(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(stops),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            n=self.n or 1, best_of=self.best_of,
         ).validate()
 
 
@@ -384,6 +386,9 @@ def _check_common(state: ServerState, body: _SamplingBody) -> None:
     body.refuse_unsupported()
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if body.stream and (body.best_of or 1) > (body.n or 1):
+        raise ApiError(400, "best_of greater than n cannot be streamed (the best are known at the end)",
+                       param="best_of")
     if state.engine.num_unfinished >= state.max_queue:
         raise ApiError(503, f"the server is at capacity ({state.max_queue} requests in flight); retry later",
                        code="server_overloaded")
@@ -395,9 +400,9 @@ async def _respond(state: ServerState, request: Request, body: _SamplingBody, pr
     try:
         params = body.sampling(max_tokens, logprobs)
     except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
+        raise ApiError(400, str(exc), param="best_of" if "best_of" in str(exc) else None) from exc
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    tracker = _Tracker(state, time.monotonic(), request_id)
+    tracker = _Tracker(state, time.monotonic(), request_id, params.num_samples)
     stream = state.engine.generate(prompt, params, request_id, body.priority)
     try:
         first = await anext(stream)
@@ -411,46 +416,55 @@ async def _respond(state: ServerState, request: Request, body: _SamplingBody, pr
     tracker.seen(first)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
-        return StreamingResponse(_sse(state, tracker, first, stream, request_id, chat, include_usage),
+        return StreamingResponse(_sse(state, tracker, first, stream, request_id, chat, include_usage, params.n),
                                  media_type="text/event-stream")
     outputs = [first]
     try:
-        if not first.finished:
+        if not tracker.finished:
             async for out in _until_disconnected(request, stream):
                 tracker.seen(out)
                 outputs.append(out)
     finally:
         tracker.done()
-    if outputs[-1].finish_reason == "error":
+    if any(out.finish_reason == "error" for out in outputs):
         raise ApiError(500, STEP_FAILED, code="engine_step_failed")
-    return _full_response(state, outputs, request_id, kind, chat, tracker.arrival_wall)
+    samples = [[out for out in outputs if out.index == index] for index in range(params.num_samples)]
+    samples = [outputs for outputs in samples if outputs]         # all, unless the client left early
+    return _full_response(state, samples, params.n, request_id, kind, chat, tracker.arrival_wall)
 
 
 class _Tracker:
-    """Latency bookkeeping for one request, reported to metrics and logged (one INFO line) when it
-    ends, however it ends."""
+    """Latency bookkeeping for one request (all its samples), reported to metrics and logged (one
+    INFO line) when it ends, however it ends."""
 
-    def __init__(self, state: ServerState, arrival: float, request_id: str):
+    def __init__(self, state: ServerState, arrival: float, request_id: str, num_samples: int = 1):
         self.state, self.arrival, self.request_id = state, arrival, request_id
         self.arrival_wall = int(time.time())
         self.first: float | None = None
         self.last: RequestOutput | None = None
+        self.latest: dict[int, RequestOutput] = {}       # each sample's latest output
+        self.num_samples = num_samples
 
     def seen(self, out: RequestOutput) -> None:
         if out.new_token_ids and self.first is None:
             self.first = time.monotonic()
-        self.last = out
+        self.last = self.latest[out.index] = out
+
+    @property
+    def finished(self) -> bool:
+        return len(self.latest) == self.num_samples and all(out.finished for out in self.latest.values())
 
     def done(self) -> None:
         last, end = self.last, time.monotonic()
-        outcome = (last.finish_reason or "abort") if last and last.finished else "abort"
-        self.state.metrics.observe(outcome, self.arrival, self.first, end, last.num_output_tokens if last else 0,
+        outcome = (last.finish_reason or "abort") if last and self.finished else "abort"
+        num_output = sum(out.num_output_tokens for out in self.latest.values())
+        self.state.metrics.observe(outcome, self.arrival, self.first, end, num_output,
                                    last.num_prompt_tokens if last else None,
                                    last.first_scheduled_time if last else None)
         ttft = f"{self.first - self.arrival:.3f}s" if self.first is not None else "-"
         logger.info("%s: %d prompt tokens (%d cached), %d output tokens, ttft %s, %.3fs, finish %s",
                     self.request_id, last.num_prompt_tokens if last else 0, last.num_cached_tokens if last else 0,
-                    last.num_output_tokens if last else 0, ttft, end - self.arrival, outcome)
+                    num_output, ttft, end - self.arrival, outcome)
 
 
 async def _until_disconnected(request: Request, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -470,10 +484,12 @@ async def _until_disconnected(request: Request, stream: AsyncIterator[RequestOut
             return
 
 
-def _usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+def _usage(finals: Sequence[RequestOutput]) -> dict:
+    """The prompt once (its samples share it), the completion tokens of every returned sample."""
+    first, completion = finals[0], sum(out.num_output_tokens for out in finals)
+    return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
 
 
 def _token_text(state: ServerState, token_id: int) -> str:
@@ -499,29 +515,38 @@ def _completion_logprobs(state: ServerState, entries: list[TokenLogprob], offset
             "text_offset": offsets}
 
 
-def _full_response(state: ServerState, outputs: list[RequestOutput], request_id: str, kind: str, chat: bool,
-                   created: int) -> dict:
-    last = outputs[-1]
-    text = "".join(o.text for o in outputs)
-    entries = [lp for o in outputs for lp in o.logprobs]
-    wants_logprobs = bool(entries)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason if last.finished else "abort"}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-        choice["logprobs"] = _chat_logprobs(state, entries) if wants_logprobs else None
-    else:
-        choice["text"] = text
-        choice["logprobs"] = _completion_logprobs(state, entries, 0) if wants_logprobs else None
+def _full_response(state: ServerState, samples: list[list[RequestOutput]], n: int, request_id: str, kind: str,
+                   chat: bool, created: int) -> dict:
+    """One choice per returned sample: each sample's outputs joined, the n best kept (best_of)."""
+    finals = best_samples([_joined(outputs) for outputs in samples], n)
+    choices = []
+    for final in finals:
+        choice: dict[str, Any] = {"index": final.index, "finish_reason": final.finish_reason if final.finished
+                                  else "abort"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": final.text}
+            choice["logprobs"] = _chat_logprobs(state, final.logprobs) if final.logprobs else None
+        else:
+            choice["text"] = final.text
+            choice["logprobs"] = _completion_logprobs(state, final.logprobs, 0) if final.logprobs else None
+        choices.append(choice)
     return {"id": request_id, "object": kind, "created": created, "model": state.model_name,
-            "choices": [choice], "usage": _usage(last)}
+            "choices": choices, "usage": _usage(finals)}
+
+
+def _joined(outputs: list[RequestOutput]) -> RequestOutput:
+    """One sample's outputs as one: its whole text and logprobs, its last state."""
+    return dataclasses.replace(outputs[-1], text="".join(o.text for o in outputs),
+                               logprobs=[lp for o in outputs for lp in o.logprobs])
 
 
 async def _sse(state: ServerState, tracker: _Tracker, first: RequestOutput, stream: AsyncIterator[RequestOutput],
-               request_id: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events; the client going away cancels this generator, which aborts the request."""
+               request_id: str, chat: bool, include_usage: bool, n: int = 1) -> AsyncIterator[str]:
+    """Server-sent events, each choice with its sample's `index`; the client going away cancels this
+    generator, which aborts the request."""
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
     created = tracker.arrival_wall
-    offset = 0
+    offsets = [0] * n
 
     def event(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": request_id, "object": chunk_kind, "created": created, "model": state.model_name,
@@ -531,33 +556,30 @@ async def _sse(state: ServerState, tracker: _Tracker, first: RequestOutput, stre
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def choice(out: RequestOutput) -> dict:
-        nonlocal offset
         finish = out.finish_reason if out.finished else None
         if chat:
-            item = {"index": 0, "delta": {"content": out.text} if out.text else {}, "finish_reason": finish,
+            item = {"index": out.index, "delta": {"content": out.text} if out.text else {}, "finish_reason": finish,
                     "logprobs": _chat_logprobs(state, out.logprobs) if out.logprobs else None}
         else:
-            item = {"index": 0, "text": out.text, "finish_reason": finish,
-                    "logprobs": _completion_logprobs(state, out.logprobs, offset) if out.logprobs else None}
-        offset += len(out.text)
+            item = {"index": out.index, "text": out.text, "finish_reason": finish, "logprobs":
+                    _completion_logprobs(state, out.logprobs, offsets[out.index]) if out.logprobs else None}
+        offsets[out.index] += len(out.text)
         return item
 
     try:
         if chat:
-            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        last = first
+            yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for index in range(n)])
         yield event([choice(first)])
-        if not first.finished:
+        if not tracker.finished:
             async for out in stream:
                 tracker.seen(out)
-                last = out
                 yield event([choice(out)])
-        if last.finish_reason == "error":      # the openai client raises APIError on this event
+        if any(out.finish_reason == "error" for out in tracker.latest.values()):   # the openai client raises
             error = {"message": STEP_FAILED, "type": ERROR_TYPES[500], "param": None, "code": "engine_step_failed"}
             yield f"data: {json.dumps({'error': error})}\n\n"
         if include_usage:
-            yield event([], _usage(last))
+            yield event([], _usage([tracker.latest[index] for index in sorted(tracker.latest)]))
         yield "data: [DONE]\n\n"
     finally:
         await stream.aclose()

@@ -19,7 +19,7 @@ from kvstrata.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.block_pool import BlockState
 from kvstrata.kvcache.hashing import BlockHasher
 from kvstrata.kvcache.tiers import TierManager
-from kvstrata.request import Request, SamplingParams
+from kvstrata.request import Request, SampleFamily, SamplingParams
 from kvstrata.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 50
@@ -48,6 +48,8 @@ class FakeRunner:
                                   f"holds {seen[bad[:8]].tolist()}, expected {expected[bad[:8]].tolist()}")
             if chunk.sample:
                 sampled[chunk.request.request_id] = next_token(seen)
+                for sample in chunk.forks:       # each sample of a family draws its own first token
+                    sampled[sample.request_id] = (next_token(seen) + sample.sample_index) % VOCAB
         self.num_steps += 1
         return sampled
 
@@ -67,9 +69,20 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, priori
                    hasher, arrival_time=arrival, priority=priority)
 
 
+def make_family(family_id: str, prompt: list[int], n: int, max_tokens: int = 4, priority: int = 0,
+                arrival: float = 0.0, block_size: int = 4) -> Request:
+    """The leader of n samples `{family_id}/{index}` (as the engine builds them); add it to the scheduler."""
+    samples = [make_request(f"{family_id}/{index}", prompt, max_tokens, priority, arrival, block_size)
+               for index in range(n)]
+    family = SampleFamily(family_id, samples)
+    for index, sample in enumerate(samples):
+        sample.family, sample.sample_index = family, index
+    return samples[0]
+
+
 def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 16, max_model_len: int = 64, policy: str = "fcfs",
-                   prefix_caching: bool = True, chunked: bool = True, **cache) -> Scheduler:
+                   prefix_caching: bool = True, chunked: bool = True, mover=None, **cache) -> Scheduler:
     cache_config = CacheConfig(block_size=block_size, num_device_blocks=num_blocks,
                                enable_prefix_caching=prefix_caching, **cache)
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -77,7 +90,7 @@ def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int 
                                        enable_chunked_prefill=chunked)
     cache_config.validate()
     scheduler_config.validate()
-    return Scheduler(scheduler_config, TierManager(cache_config, num_blocks), eos_token_ids=[EOS])
+    return Scheduler(scheduler_config, TierManager(cache_config, num_blocks, mover=mover), eos_token_ids=[EOS])
 
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> SchedulerOutput:

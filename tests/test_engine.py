@@ -108,7 +108,7 @@ def test_abort_releases_blocks(make_engine):
     engine = make_engine()
     engine.add_request("Tell me a long story about a dragon.", GREEDY, request_id="a")
     engine.step()
-    out = engine.abort("a")
+    out, = engine.abort("a")
     assert out.finished and out.finish_reason == "abort"
     counts = engine.scheduler.tiers.audit()["device"]
     assert counts.used == 0 and not engine.has_unfinished

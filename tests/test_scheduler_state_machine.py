@@ -11,7 +11,7 @@ import os
 from collections import Counter
 
 import pytest
-from fakes import FakeRunner, drain, make_request, make_scheduler, step
+from fakes import FakeMover, FakeRunner, drain, make_request, make_scheduler, step
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
@@ -37,12 +37,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 chunked=st.booleans(), ratio=st.sampled_from([0.0, 0.3, 1.0]))
     def setup(self, num_blocks, block_size, budget, max_num_seqs, policy, caching, chunked, ratio):
         max_model_len = 24 if chunked else max(2, budget)    # unchunked prompts must fit one step
+        self.runner = FakeRunner(num_blocks, block_size)
         self.scheduler = make_scheduler(
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(budget, max_model_len) if not chunked else budget,
             max_model_len=max_model_len, policy=policy, prefix_caching=caching, chunked=chunked,
-            reserve_ratio_init=ratio, reserve_ratio_min=min(ratio, 0.1))
-        self.runner = FakeRunner(num_blocks, block_size)
+            reserve_ratio_init=ratio, reserve_ratio_min=min(ratio, 0.1),
+            mover=FakeMover(self.runner, 0))                 # copies a family's last prompt block
         self.block_size = block_size
         self.next_id = 0
         self.clock = 0.0
@@ -50,23 +51,32 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 9), max_size=6),
           cut=st.integers(1, 12), max_tokens=st.integers(1, 8), priority=st.integers(0, 3))
     def add_request(self, prefix, suffix, cut, max_tokens, priority):
-        prompt = (prefix[:cut] + suffix) or [0]
-        request = make_request(f"r{self.next_id}", prompt, max_tokens=max_tokens, priority=priority,
-                               arrival=self.clock, block_size=self.block_size)
+        self.arrive(make_request, prefix[:cut] + suffix, max_tokens=max_tokens, priority=priority)
+
+    def arrive(self, make, prompt, **options):
+        """Build a request (or a family's leader) with `make` and add it; it, or None if refused."""
+        request = make(f"r{self.next_id}", prompt or [0], arrival=self.clock, block_size=self.block_size, **options)
         self.next_id += 1
         self.clock += 1.0
         try:
             self.scheduler.add_request(request)
         except ValueError:
-            assert request.request_id not in self.scheduler.requests   # refused requests leave no trace
+            samples = request.family.samples if request.family is not None else [request]
+            assert not any(s.request_id in self.scheduler.requests for s in samples)   # refused: no trace
+            return None
+        return request
 
     @rule(prefixes=st.lists(st.sampled_from(PREFIXES), min_size=3, max_size=5), steps=st.integers(1, 4))
     def a_crowd_arrives_and_runs(self, prefixes, steps):
         """Several long requests at once: the pool runs short as they grow, and the scheduler preempts."""
         for prefix in prefixes:
-            self.add_request(prefix, [self.next_id % 10], len(prefix), 8, 0)
+            self.add_long(prefix)
         for _ in range(steps):
             self.step()
+
+    def add_long(self, prefix):
+        """One long request of a crowd (the family machine sends families too)."""
+        self.add_request(prefix, [self.next_id % 10], len(prefix), 8, 0)
 
     @rule()
     def step(self):

@@ -106,7 +106,7 @@ def test_metrics_vllm_dashboards_use(server):
     refusals = [post(base, "/v1/completions", {"prompt": "hi", "model": "nope"}),      # unknown model
                 post(base, "/v1/completions", {"prompt": "hi", "max_tokens": -1}),     # validation
                 post(base, "/v1/completions", {"prompt": "word " * 9000}),             # too long
-                post(base, "/v1/completions", {"prompt": "hi", "n": 2})]               # unsupported
+                post(base, "/v1/completions", {"prompt": "hi", "echo": True})]         # unsupported
     assert [r.status_code for r in refusals] == [404, 400, 400, 400]
     after = scrape(base)
     assert after[rejected] - before.get(rejected, 0) == len(refusals)

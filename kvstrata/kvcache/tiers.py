@@ -12,9 +12,16 @@ The rule (DESIGN.md §5), with every term counted before anything is taken:
 
     touched_cached  device hits that are CACHED now: taking them removes them from the evictable side
     load_*          lower-tier hits, each needing a device block to load into
-    new             blocks for this chunk's uncached tokens
-    reserve         decode growth of the requests already holding blocks, plus this request's own
-                    future beyond this chunk (see DecodeReservation)
+    new             blocks for this chunk's uncached tokens, plus, for the leader of a family of
+                    samples (n / best_of), one block per other sample for its copy of the partly
+                    filled last prompt block (none when the prompt fills its blocks exactly)
+    reserve         decode growth of the requests already holding blocks (and of samples waiting to
+                    fork), plus this request's own future beyond this chunk and, for a leader, each
+                    other sample's (see DecodeReservation)
+
+A family is admitted whole: the leader's commit takes the copy blocks of every sample inside the
+same transaction, so the fork (`fork()`, after the step that samples the first tokens) never
+waits for space: it adds one reference to each full prompt block and copies the last block.
 
 A plan records the pool epoch it was computed at; `commit` refuses a stale plan. Running requests
 grow with `grow()`, all or nothing and with no reserve: when it fails, the scheduler preempts.
@@ -79,6 +86,8 @@ class AdmissionPlan:
     num_new_blocks: int                # blocks for this chunk's uncached tokens
     num_new_tokens: int                # tokens to compute once the loads have landed
     reserve: int                       # blocks kept back for decode growth
+    forks: list[Request] = field(default_factory=list)    # a leader's samples waiting to fork
+    num_fork_blocks: int = 0           # their copies of the partly filled last prompt block
 
     @property
     def num_loads(self) -> int:
@@ -91,7 +100,7 @@ class AdmissionPlan:
 
     @property
     def num_blocks_taken(self) -> int:
-        return self.num_touched_cached + self.num_loads + self.num_new_blocks
+        return self.num_touched_cached + self.num_loads + self.num_new_blocks + self.num_fork_blocks
 
     @property
     def num_blocks_needed(self) -> int:
@@ -163,6 +172,15 @@ class RequestBlocks:
         self.block_ids.extend(block.block_id for block in blocks)
 
 
+@dataclass
+class PendingFork:
+    """A sample admitted with its family's leader, waiting to fork: the block its copy of the
+    leader's partly filled last prompt block will go to (None when the prompt fills its blocks)."""
+
+    request: Request
+    block: Block | None
+
+
 class TierManager:
     """Owns the tiers' pools, every request's block table and every transfer record."""
 
@@ -187,6 +205,7 @@ class TierManager:
         self._loading: dict[str, RequestBlocks] = {}      # the tables whose request waits on a load
         self._orphans: list[LoadTransfer] = []
         self._computing: dict[BlockHash, int] = {}      # announced block hashes -> how many requests
+        self._forks: dict[str, PendingFork] = {}        # sample id -> its place, until its leader forks it
         self._unpersisted: OrderedDict[BlockHash, tuple[int, ...]] = OrderedDict()   # see persist()
 
     # ---- queries (pure) -------------------------------------------------------------------------
@@ -227,10 +246,24 @@ class TierManager:
         return len(self.match_device(request)) * self.block_size
 
     def reserve_for_running(self) -> int:
-        """Blocks the requests holding blocks may still grow into, at the current ratio."""
+        """Blocks the requests holding blocks (and the samples waiting to fork) may still grow into."""
         return sum(self.reservation.blocks(rb.request, rb.request.num_computed_tokens,
                                            len(rb.blocks) * self.block_size, self.block_size)
-                   for rb in self._tables.values())
+                   for rb in self._tables.values()) + sum(map(self._fork_reserve, self._forks.values()))
+
+    def _fork_reserve(self, pending: PendingFork | Request) -> int:
+        """A sample's decode growth beyond the last prompt block it will hold after the fork."""
+        request = pending.request if isinstance(pending, PendingFork) else pending
+        slots = math.ceil(request.num_prompt_tokens / self.block_size) * self.block_size
+        return self.reservation.blocks(request, request.num_prompt_tokens, slots, self.block_size)
+
+    @property
+    def num_pending_forks(self) -> int:
+        """Samples admitted with their leader that have not forked yet (each takes a seat)."""
+        return len(self._forks)
+
+    def has_fork(self, request_id: str) -> bool:
+        return request_id in self._forks
 
     # ---- admission ------------------------------------------------------------------------------
     def on_step(self, nonempty: bool) -> None:
@@ -274,12 +307,17 @@ class TierManager:
             return None
         num_blocks = math.ceil((num_hit_tokens + num_new_tokens) / size)
         own_future = self.reservation.blocks(request, num_hit_tokens + num_new_tokens, num_blocks * size, size)
+        forks = request.family.pending if request.family is not None else []
+        assert not any(f.request_id in self._forks for f in forks), "a family's samples are already placed"
+        partial_last_block = request.num_prompt_tokens % size != 0
         plan = AdmissionPlan(
             request=request, epoch=self.device.epoch, hit_blocks=hits,
             num_touched_cached=sum(block.state is BlockState.CACHED for block in hits),
             load_host=host, load_store=store,
             num_new_blocks=num_blocks - len(hits) - len(host) - len(store),
-            num_new_tokens=num_new_tokens, reserve=self.reserve_for_running() + own_future)
+            num_new_tokens=num_new_tokens,
+            reserve=self.reserve_for_running() + own_future + sum(map(self._fork_reserve, forks)),
+            forks=forks, num_fork_blocks=len(forks) if partial_last_block else 0)
         return plan if self.fits(plan) else None
 
     def _hits(self, request: Request) -> tuple[list[Block], list[Block], list[BlockHash]]:
@@ -328,7 +366,7 @@ class TierManager:
             if plan.load_host:
                 self.host.touch(plan.load_host)       # pinned: the offload below must not evict them
                 undo.append(lambda: self.host.free(plan.load_host))
-            got = self.device.allocate(len(plan.load_host) + plan.num_new_blocks)
+            got = self.device.allocate(len(plan.load_host) + plan.num_new_blocks + plan.num_fork_blocks)
             assert got is not None, "allocation failed after fits() said yes"
             new_blocks, evicted = got
             undo.append(lambda: (self.device.free(reversed(new_blocks)), self.device.unevict(evicted)))
@@ -338,7 +376,11 @@ class TierManager:
             undo.append(lambda: ([self.device.end_transfer(block, BlockState.FREE) for block in targets],
                                  self.device.unevict(evicted_for_targets)))
             host_targets = new_blocks[:len(plan.load_host)]
-            table = plan.hit_blocks + host_targets + targets + new_blocks[len(plan.load_host):]
+            table = plan.hit_blocks + host_targets + targets + new_blocks[len(plan.load_host):len(new_blocks)
+                                                                          - plan.num_fork_blocks]
+            fork_blocks = new_blocks[len(new_blocks) - plan.num_fork_blocks:]
+            for index, sample in enumerate(plan.forks):
+                self._forks[sample.request_id] = PendingFork(sample, fork_blocks[index] if fork_blocks else None)
             first_admission = request.num_cached_tokens < 0
             load = self._admit_loads(plan, targets, first_admission)
             rb = RequestBlocks(request, table, len(plan.hit_blocks), load)
@@ -348,6 +390,8 @@ class TierManager:
         except BaseException:
             self._tables.pop(request.request_id, None)
             self._loading.pop(request.request_id, None)
+            for sample in plan.forks:
+                self._forks.pop(sample.request_id, None)
             for step in reversed(undo):
                 step()
             raise
@@ -485,6 +529,7 @@ class TierManager:
         """Return every block the request holds, tail first; a pending load is left to settle on its own."""
         if self.store_io is not None:
             self.store_io.forget_lookup(request.request_id)
+        self._drop_forks(request)
         rb = self._tables.pop(request.request_id, None)
         if rb is None:
             return
@@ -497,6 +542,37 @@ class TierManager:
             self.stats.orphaned_loads += 1
             in_flight = {id(block) for block in rb.load.targets}
         self.device.free(block for block in reversed(rb.blocks) if id(block) not in in_flight)
+
+    def _drop_forks(self, request: Request) -> None:
+        """Give back the places of a sample waiting to fork, or of all its leader's samples: a
+        family admitted again after its leader's preemption takes them again."""
+        for sample_id in [sid for sid, pending in self._forks.items()
+                          if pending.request is request or pending.request.family.leader is request]:
+            block = self._forks.pop(sample_id).block
+            if block is not None:
+                self.device.free([block])
+
+    def fork(self, leader: Request, sample: Request) -> None:
+        """Give `sample` the leader's prompt: one more reference to each full prompt block, and a copy
+        of the partly filled last one in the block taken for it at admission. Never raises for space.
+
+        Call after the step that computed the leader's last prompt token. If the copy fails, the
+        sample's last block is an ordinary block and it recomputes those few tokens.
+        """
+        pending = self._forks.pop(sample.request_id)
+        source = self._tables[leader.request_id]
+        size, num_prompt = self.block_size, leader.num_prompt_tokens
+        num_full = num_prompt // size
+        assert leader.num_computed_tokens >= num_prompt and source.num_registered >= num_full, \
+            f"{leader.request_id} forks before its prompt is computed"
+        shared = source.blocks[:num_full]
+        self.device.touch(shared)
+        rb = RequestBlocks(sample, shared + ([pending.block] if pending.block is not None else []), num_full)
+        self._tables[sample.request_id] = rb
+        copied = pending.block is None or (self.mover is not None and self._copy(
+            "device", "device", [(source.blocks[num_full].block_id, pending.block.block_id)]))
+        sample.num_computed_tokens = num_prompt if copied else num_full * size
+        self._announce(rb)
 
     # ---- moving blocks down ---------------------------------------------------------------------
     def _offload_evicted(self, evicted: Sequence[EvictedBlock]) -> None:
@@ -701,6 +777,12 @@ class TierManager:
                     in_flight.append(block.block_id)
                 else:
                     holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for sample_id, pending in self._forks.items():
+            leader = pending.request.family.leader
+            assert pending.request.status is RequestStatus.AWAITING_FORK and leader.request_id in self._tables, \
+                f"sample {sample_id} has a place but its leader {leader.request_id} holds no blocks"
+            if pending.block is not None:
+                holders[pending.block.block_id] = holders.get(pending.block.block_id, 0) + 1
         for load in self._orphans:
             assert load.orphaned, "an orphaned load still names a request"
             in_flight.extend(block.block_id for block in load.targets)
