@@ -14,8 +14,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstrata.kvcache.hashing import BlockHash, BlockHasher
+
+if TYPE_CHECKING:
+    from kvstrata.structured import GrammarSpec
 
 MAX_STOP_STRINGS = 16
 MIN_TEMPERATURE = 1e-5
@@ -75,6 +79,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None    # top-n logprobs per output token; 0 = the sampled token's only
+    structured: GrammarSpec | None = None    # the grammar the output must match (structured.py)
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +109,10 @@ class SamplingParams:
                  "stop_token_ids must be non-negative integers")
         _require(self.logprobs is None or 0 <= self.logprobs <= 20,
                  f"logprobs must be between 0 and 20, not {self.logprobs}")
+        if self.structured is not None:
+            self.structured.grammar()      # a grammar the library rejects: RequestRejected, nothing queued
+            _require(not self.ignore_eos and self.min_tokens == 0,
+                     "structured output ends where its grammar ends: ignore_eos and min_tokens are not allowed with it")
         return self
 
 
