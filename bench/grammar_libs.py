@@ -64,11 +64,12 @@ class XGrammarLib:
     def bitmask(self, n: int, vocab: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(n, vocab)
 
-    def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, 0)
-        else:
+    def fill(self, matchers: list, bitmask: torch.Tensor, parallel: bool) -> None:
+        if parallel:
             self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        else:
+            for i, matcher in enumerate(matchers):
+                matcher.fill_next_token_bitmask(bitmask, i)
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         self.xgr.apply_token_bitmask_inplace(logits, bitmask)
@@ -103,12 +104,13 @@ class LLGuidanceLib:
     def bitmask(self, n: int, vocab: int) -> torch.Tensor:
         return self.ll.torch.allocate_token_bitmask(n, vocab)
 
-    def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
-        if len(matchers) == 1:
-            self.ll.torch.fill_next_token_bitmask(matchers[0], bitmask, 0)
-        else:
+    def fill(self, matchers: list, bitmask: torch.Tensor, parallel: bool) -> None:
+        if parallel:
             self.ll.torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)],
                                                       bitmask)
+        else:
+            for i, matcher in enumerate(matchers):
+                self.ll.torch.fill_next_token_bitmask(matcher, bitmask, i)
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         self.ll.torch.apply_token_bitmask_inplace(logits, bitmask)
@@ -120,7 +122,7 @@ class LLGuidanceLib:
         return matcher.is_stopped()
 
 
-def run(lib, batch: int, steps: int, vocab: int, seed: int) -> dict:
+def run(lib, batch: int, parallel: bool, steps: int, vocab: int, seed: int) -> dict:
     """Median fill and apply time per step (ms) for `batch` matchers, and the compile time (ms)."""
     schema = json.dumps(SCHEMA)
     started = time.perf_counter()
@@ -133,7 +135,7 @@ def run(lib, batch: int, steps: int, vocab: int, seed: int) -> dict:
     fills, applies = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        lib.fill(matchers, bitmask)
+        lib.fill(matchers, bitmask, parallel)
         t1 = time.perf_counter()
         lib.apply(logits, bitmask)
         t2 = time.perf_counter()
@@ -157,16 +159,19 @@ def main() -> None:
     loaded = load_model(ModelConfig(dtype="float32", device="cpu"))
     tokenizer, vocab, eos = loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids
     libs = [XGrammarLib(tokenizer, vocab, list(eos)), LLGuidanceLib(tokenizer, vocab, list(eos))]
-    results: dict[tuple[str, int], list[dict]] = {}
+    modes = [(batch, parallel) for batch in args.batch for parallel in ((False, True) if batch > 1 else (False,))]
+    results: dict[tuple[str, int, bool], list[dict]] = {}
     for repeat in range(args.repeats):
-        for batch in args.batch:
+        for batch, parallel in modes:
             for lib in libs if repeat % 2 == 0 else libs[::-1]:
-                results.setdefault((lib.name, batch), []).append(run(lib, batch, args.steps, vocab, repeat))
-    print(f"{'library':<11} {'batch':>5} {'compile ms':>11} {'fill ms/step':>13} {'apply ms/step':>14}  "
-          f"(median of {args.repeats} runs of {args.steps} steps)")
-    for (name, batch), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+                results.setdefault((lib.name, batch, parallel), []).append(
+                    run(lib, batch, parallel, args.steps, vocab, repeat))
+    print(f"{'library':<11} {'batch':>5} {'fill':>9} {'compile ms':>11} {'fill ms/step':>13} {'apply ms/step':>14}  "
+          f"(median of {args.repeats} runs of {args.steps} steps, {torch.get_num_threads()} torch threads)")
+    for (name, batch, parallel), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        print(f"{name:<11} {batch:>5} {med['compile_ms']:>11.2f} {med['fill_ms']:>13.3f} {med['apply_ms']:>14.3f}")
+        print(f"{name:<11} {batch:>5} {'2 threads' if parallel else 'in turn':>9} {med['compile_ms']:>11.2f} "
+              f"{med['fill_ms']:>13.3f} {med['apply_ms']:>14.3f}")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     loaded = load_model(ModelConfig(dtype="float32", device="cpu"))
     vocab = loaded.arch.vocab_size
     timed = _Timed(GrammarMasker(loaded.tokenizer, vocab, loaded.eos_token_ids))

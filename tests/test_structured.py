@@ -9,7 +9,7 @@ import torch
 from kvstrata.kvcache.hashing import BlockHasher
 from kvstrata.request import Request, RequestRejected, SamplingParams
 from kvstrata.sampler import Sampler
-from kvstrata.structured import GrammarMasker, GrammarSpec, spec_from_request, unpack_bitmask
+from kvstrata.structured import GrammarMasker, GrammarSpec, spec_from_request, token_bound
 from kvstrata.tool_calls import ToolCallStream, ToolPlan, inline_tools, message
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -55,10 +55,11 @@ def test_sampling_params_refuse_a_grammar_the_library_rejects():
         SamplingParams(structured=GrammarSpec("regex", "a+"), min_tokens=2).validate()
 
 
-def test_unpack_bitmask_reads_bit_t_of_word_t_over_32():
+def test_token_bound_reads_bit_t_of_word_t_over_32():
     bitmask = torch.tensor([[0b101, -(1 << 31)], [0, -1]], dtype=torch.int32)
-    allowed = unpack_bitmask(bitmask, 63)
-    assert allowed.shape == (2, 63)
+    bound = token_bound(bitmask, 63)
+    assert bound.shape == (2, 63) and set(bound.flatten().tolist()) == {float("inf"), float("-inf")}
+    allowed = bound > 0
     assert allowed[0].nonzero().flatten().tolist() == [0, 2]               # token 63 is past the vocabulary
     assert allowed[1].nonzero().flatten().tolist() == list(range(32, 63))
 
@@ -197,3 +198,15 @@ def test_inline_tools_writes_the_trained_format():
     assert "<tools>" in rendered[0]["content"] and rendered[0]["content"].endswith("Be brief.")
     assert rendered[2]["content"] == '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>'
     assert rendered[3]["content"] == "<tool_response>\nsunny\n</tool_response>"
+
+
+def test_a_failed_grammar_ends_its_answer_alone(smollm2):
+    """A matcher in error (here: fed a token its grammar forbids) lets only EOS through for its row."""
+    sampler = _sampler(smollm2)
+    params = SamplingParams(max_tokens=8, temperature=0, structured=GrammarSpec("regex", "[0-9]+"))
+    letters = smollm2.tokenizer.encode("abc", add_special_tokens=False)
+    broken = _request(smollm2, "broken", params, letters)
+    fine = _request(smollm2, "fine", params)
+    out = sampler(torch.randn(2, smollm2.arch.vocab_size), [broken, fine])
+    assert out.token_ids[0] == smollm2.eos_token_ids[0]
+    assert smollm2.tokenizer.decode([out.token_ids[1]]).isdigit()
