@@ -2,7 +2,7 @@
 
 Each configuration samples `--steps` steps from random (B, V) logits at temperature 1 through the
 real `Sampler` with its `GrammarMasker` (llguidance, SmolLM2's tokenizer): "free" rows have no
-grammar, "json" rows a nested JSON schema. Sampled tokens go into each request's ledger, so the
+grammar, "json" rows grammar_libs.py's nested JSON schema. Sampled tokens go into each request's ledger, so the
 matchers advance as in serving; a request that ends its JSON starts a new one (not timed). The
 configurations alternate within each repeat, so the shared machine's noise falls on all alike; the
 figure is the median step, and `mask` is the masker's share of it (fill, unpack, apply).
@@ -26,18 +26,7 @@ from kvstrata.request import Request, SamplingParams
 from kvstrata.sampler import Sampler
 from kvstrata.structured import GrammarMasker, GrammarSpec
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "kind": {"enum": ["city", "river", "mountain"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "where": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
-                  "required": ["lat", "lon"], "additionalProperties": False},
-    },
-    "required": ["name", "kind", "tags", "where"],
-    "additionalProperties": False,
-}
+from grammar_libs import SCHEMA      # the library comparison's schema (the script's folder is on sys.path)
 
 
 class _Timed:
