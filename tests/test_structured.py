@@ -60,8 +60,8 @@ def test_token_bound_reads_bit_t_of_word_t_over_32():
     bound = token_bound(bitmask, 63)
     assert bound.shape == (2, 63) and set(bound.flatten().tolist()) == {float("inf"), float("-inf")}
     allowed = bound > 0
-    assert allowed[0].nonzero().flatten().tolist() == [0, 2]               # token 63 is past the vocabulary
-    assert allowed[1].nonzero().flatten().tolist() == list(range(32, 63))
+    assert allowed[0].nonzero()[0].tolist() == [0, 2]                      # token 63 is past the vocabulary
+    assert allowed[1].nonzero()[0].tolist() == list(range(32, 63))
 
 
 # ---- the sampler -------------------------------------------------------------------------------------
