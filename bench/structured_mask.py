@@ -2,7 +2,8 @@
 
 Each configuration samples `--steps` steps from random (B, V) logits at temperature 1 through the
 real `Sampler` with its `GrammarMasker` (llguidance, SmolLM2's tokenizer): "free" rows have no
-grammar, "json" rows grammar_libs.py's nested JSON schema. Sampled tokens go into each request's ledger, so the
+grammar, "json" rows grammar_libs.py's nested JSON schema, "regex" rows `[a-z ]{300}` (a grammar
+llguidance's token slices do not cover, so its mask walks the whole vocabulary). Sampled tokens go into each request's ledger, so the
 matchers advance as in serving; a request that ends its JSON starts a new one (not timed). The
 configurations alternate within each repeat, so the shared machine's noise falls on all alike; the
 figure is the median step, and `mask` is the masker's share of it (fill, unpack, apply).
@@ -43,10 +44,14 @@ class _Timed:
             self.seconds += time.perf_counter() - started
 
 
-def run(sampler: Sampler, timed: _Timed, batch: int, constrained: bool, steps: int, vocab: int,
+SPECS = {"free": None, "json": GrammarSpec.json_schema(SCHEMA, "response_format"),
+         "regex": GrammarSpec("regex", "[a-z ]{300}")}
+
+
+def run(sampler: Sampler, timed: _Timed, batch: int, kind: str, steps: int, vocab: int,
         eos: tuple[int, ...], ids: itertools.count) -> tuple[float, float]:
     """(median step ms, median mask ms) over `steps` steps of `batch` requests."""
-    spec = GrammarSpec.json_schema(SCHEMA, "response_format") if constrained else None
+    spec = SPECS[kind]
     params = SamplingParams(max_tokens=10_000, temperature=1.0, structured=spec)
     hasher = BlockHasher.create(16, "bench")
 
@@ -84,9 +89,9 @@ def main() -> None:
     timed = _Timed(GrammarMasker(loaded.tokenizer, vocab, loaded.eos_token_ids))
     sampler = Sampler(loaded.eos_token_ids, seed=0, grammars=timed)
     ids = itertools.count()
-    run(sampler, timed, 2, True, 4, vocab, loaded.eos_token_ids, ids)          # warm-up: tokenizer view, caches
-    configs = [(b, c) for b in args.batch for c in (False, True)]
-    results: dict[tuple[int, bool], list[tuple[float, float]]] = {c: [] for c in configs}
+    run(sampler, timed, 2, "json", 4, vocab, loaded.eos_token_ids, ids)        # warm-up: tokenizer view, caches
+    configs = [(b, kind) for b in args.batch for kind in SPECS]
+    results: dict[tuple[int, str], list[tuple[float, float]]] = {c: [] for c in configs}
     for repeat in range(args.repeats):
         for config in configs if repeat % 2 == 0 else configs[::-1]:
             results[config].append(run(sampler, timed, *config, args.steps, vocab, loaded.eos_token_ids, ids))
@@ -94,11 +99,11 @@ def main() -> None:
           f"({torch.get_num_threads()} torch threads)")
     print(f"{'batch':>5} {'rows':>5} {'step ms':>8} {'mask ms':>8} {'vs free':>8}")
     for batch in args.batch:
-        free = statistics.median(r[0] for r in results[(batch, False)])
-        for constrained in (False, True):
-            step = statistics.median(r[0] for r in results[(batch, constrained)])
-            mask = statistics.median(r[1] for r in results[(batch, constrained)])
-            print(f"{batch:>5} {'json' if constrained else 'free':>5} {step:>8.3f} {mask:>8.3f} {step / free:>7.2f}x")
+        free = statistics.median(r[0] for r in results[(batch, "free")])
+        for kind in SPECS:
+            step = statistics.median(r[0] for r in results[(batch, kind)])
+            mask = statistics.median(r[1] for r in results[(batch, kind)])
+            print(f"{batch:>5} {kind:>5} {step:>8.3f} {mask:>8.3f} {step / free:>7.2f}x")
 
 
 if __name__ == "__main__":

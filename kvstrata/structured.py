@@ -27,6 +27,12 @@ How a constrained request is served:
 
 A batch without constrained rows costs one pass over its requests; a constrained row's raw
 logprobs (what the model thinks) are left alone, as vLLM reports them.
+
+What a mask costs a step (`bench/structured_mask.py`, the 2 cores busy; the sampler step alone
+is 0.8 ms at batch 1 and 80-130 ms at batch 32 here): batch 1, 0.06-0.14 ms for the JSON schema,
+0.3-0.5 ms for a regex over letters; batch 32, 1.8-1.9 ms (JSON) and 16-23 ms (regex); a batch
+with no constrained row, 0.01 ms. llguidance's token slices cover JSON strings; a pattern they do
+not cover walks the whole vocabulary (~0.5-0.7 ms a row).
 """
 
 from __future__ import annotations
