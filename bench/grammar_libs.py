@@ -10,6 +10,9 @@ and it reports the median per step, plus the compile time of the schema. Librari
 run by run (--repeats), so the shared machine's noise falls on both alike.
 
     PYTHONPATH=$PWD .venv/bin/python bench/grammar_libs.py --batch 1 32 --steps 48 --repeats 3
+
+xgrammar is not a dependency; install it without its triton requirement first:
+    .venv/bin/pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 """
 
 from __future__ import annotations
