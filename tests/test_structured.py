@@ -210,3 +210,16 @@ def test_a_failed_grammar_ends_its_answer_alone(smollm2):
     out = sampler(torch.randn(2, smollm2.arch.vocab_size), [broken, fine])
     assert out.token_ids[0] == smollm2.eos_token_ids[0]
     assert smollm2.tokenizer.decode([out.token_ids[1]]).isdigit()
+
+
+def test_parallel_fill_gives_the_masks_of_the_one_by_one_fill(smollm2):
+    specs = [GrammarSpec("regex", "[0-9]+"), GrammarSpec.choice(["yes", "no"], "c"), GrammarSpec("json_object", "")]
+    requests = [_request(smollm2, f"r{i}", SamplingParams(temperature=0, structured=spec))
+                for i, spec in enumerate(specs)]
+    logits = torch.randn(3, smollm2.arch.vocab_size)
+    masks = []
+    for parallel_from in (128, 2):
+        masker = GrammarMasker(smollm2.tokenizer, smollm2.arch.vocab_size, smollm2.eos_token_ids,
+                               parallel_from=parallel_from)
+        masks.append(masker.mask(logits, requests, in_place=False) > float("-inf"))
+    assert torch.equal(masks[0], masks[1]) and 0 < int(masks[0].sum()) < masks[0].numel()
