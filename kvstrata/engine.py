@@ -36,6 +36,7 @@ from kvstrata.request import (Request, RequestOutput, RequestRejected, RequestSt
                               best_samples)
 from kvstrata.runner import ModelRunner, StepResult
 from kvstrata.scheduler import Scheduler, SchedulerOutput
+from kvstrata.tool_calls import render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class ChatPrompt:
     """Messages to render with the model's chat template (in the engine thread, with the tokenizer)."""
 
     messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()     # OpenAI function tools, rendered for the model (tool_calls.py)
 
 
 Prompt = str | Sequence[int] | ChatPrompt
@@ -109,17 +111,17 @@ class LLMEngine:
     # ---- intake ---------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, ChatPrompt):
-            return self.chat_prompt(prompt.messages)
+            return self.chat_prompt(prompt.messages, prompt.tools)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return [int(t) for t in prompt]
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
         """Token ids of a chat rendered with the model's own template, ready for the reply."""
         if not self.loaded.chat_template:
             raise ValueError(f"the model {self.loaded.name} has no chat template; use a completion instead")
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            text = render_chat(self.tokenizer, self.loaded.chat_template, messages, tools)
         except Exception as exc:        # the template's own checks (role order, missing fields)
             raise RequestRejected(f"the chat template rejected these messages: {exc}", "prompt") from exc
         return self.encode(text)
@@ -138,6 +140,9 @@ class LLMEngine:
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(1, self.config.scheduler.max_model_len - len(token_ids)))
         params = params.validate()
+        if params.structured is not None and self.runner.sampler.grammars is None:
+            raise RequestRejected("structured output needs the model's tokenizer, and this model has none",
+                                  params.structured.param)
         vocab = self.loaded.arch.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise RequestRejected(f"token ids must be in [0, {vocab})", "prompt")

@@ -15,8 +15,12 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstrata.kvcache.hashing import BlockHash, BlockHasher
+
+if TYPE_CHECKING:
+    from kvstrata.structured import GrammarSpec
 
 MAX_STOP_STRINGS = 16
 MIN_TEMPERATURE = 1e-5
@@ -80,6 +84,7 @@ class SamplingParams:
     logprobs: int | None = None    # top-n logprobs per output token; 0 = the sampled token's only
     n: int = 1                     # completions returned
     best_of: int | None = None     # completions sampled (None: n); the n of highest cumulative logprob return
+    structured: GrammarSpec | None = None    # the grammar the output must match (structured.py)
 
     @property
     def num_samples(self) -> int:
@@ -118,6 +123,10 @@ class SamplingParams:
                  f"n must be between 1 and {MAX_SAMPLES}, not {self.n}")
         _require(self.best_of is None or (isinstance(self.best_of, int) and self.n <= self.best_of <= MAX_SAMPLES),
                  f"best_of must be between n ({self.n}) and {MAX_SAMPLES}, not {self.best_of}")
+        if self.structured is not None:
+            self.structured.grammar()      # a grammar the library rejects: RequestRejected, nothing queued
+            _require(not self.ignore_eos and self.min_tokens == 0,
+                     "structured output ends where its grammar ends: ignore_eos and min_tokens are not allowed with it")
         return self
 
     def for_sample(self, index: int) -> SamplingParams:

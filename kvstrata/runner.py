@@ -22,6 +22,7 @@ from kvstrata.model.prefix_groups import group_decodes
 from kvstrata.request import TokenLogprob
 from kvstrata.sampler import Sampler
 from kvstrata.scheduler import ScheduledChunk, SchedulerOutput
+from kvstrata.structured import GrammarMasker
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ class ModelRunner:
         self.kv = PagedKVCache(self.spec, self.num_device_blocks, self.device)
         self.num_host_blocks = host_blocks_for(config, self.spec)
         self.buffers = TierBuffers(self.kv, host_cache(self.kv, self.num_host_blocks), loaded.fingerprint)
-        self.sampler = Sampler(loaded.eos_token_ids, seed=seed)
+        grammars = (GrammarMasker(loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids)
+                    if loaded.tokenizer is not None else None)
+        self.sampler = Sampler(loaded.eos_token_ids, seed=seed, grammars=grammars)
         logger.info("KV cache: %d device blocks of %d tokens (%.1f MiB), %d host blocks (%.1f MiB)",
                     self.num_device_blocks, self.block_size, self.kv.nbytes / 2**20, self.num_host_blocks,
                     self.num_host_blocks * self.spec.bytes_per_block / 2**20)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.request import Request, SamplingParams, TokenLogprob
+from kvstrata.structured import GrammarMasker
 
 _MASK64 = (1 << 64) - 1
 
@@ -177,8 +178,10 @@ class Sampler:
     model thinks, not how this request chose to sample.
     """
 
-    def __init__(self, eos_token_ids: tuple[int, ...], seed: int | None = None) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int | None = None,
+                 grammars: GrammarMasker | None = None) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammars = grammars        # masks the rows of requests with structured output; None: none allowed
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}   # unseeded requests draw from these
         self._seeded: dict[torch.device, torch.Generator] = {}   # reseeded for every seeded row
@@ -190,6 +193,8 @@ class Sampler:
         processed = logits
         if any(_needs_penalties(r, self.eos_token_ids) for r in requests):
             processed = apply_penalties(logits, requests, self.eos_token_ids)
+        if self.grammars is not None:       # after penalties, before the greedy/random split; raw logprobs stay
+            processed = self.grammars.mask(processed, requests, in_place=processed is not logits)
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:

@@ -33,6 +33,8 @@ from kvstrata.engine import AsyncLLMEngine, ChatPrompt, Prompt
 from kvstrata.kv_events import publish
 from kvstrata.metrics import ServerMetrics
 from kvstrata.request import MAX_SAMPLES, RequestOutput, SamplingParams, TokenLogprob, best_samples
+from kvstrata.structured import GrammarSpec, spec_from_request
+from kvstrata.tool_calls import ToolCallStream, ToolPlan, message
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +44,8 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 # Defined by the OpenAI API, not implemented here: a request that sets one to a non-default value gets 400.
 UNSUPPORTED = {
-    "echo": False, "suffix": None, "logit_bias": None, "tools": None,
-    "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
-    "parallel_tool_calls": None, "audio": None, "modalities": None, "prediction": None,
+    "echo": False, "suffix": None, "logit_bias": None,
+    "functions": None, "function_call": None, "audio": None, "modalities": None, "prediction": None,
     "web_search_options": None, "reasoning_effort": None, "service_tier": None, "store": None,
     "metadata": None,
 }
@@ -77,6 +78,12 @@ class _SamplingBody(BaseModel):
     ignore_eos: bool = False                          # extension
     min_tokens: int = Field(default=0, ge=0)          # extension
     priority: int = 0                                 # extension: lower is served first (policy=priority)
+    response_format: dict[str, Any] | None = None     # text, json_object, json_schema (structured.py)
+    structured_outputs: dict[str, Any] | None = None  # extension (vLLM): json, regex, choice, grammar, json_object
+    guided_json: dict[str, Any] | str | None = None   # extension (vLLM before 0.12), as the four below
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None                           # accepted; kvstrata keeps no per-user state
     n: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)          # None: 1
     best_of: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)    # sampled; the n best return
@@ -84,12 +91,8 @@ class _SamplingBody(BaseModel):
     echo: bool | None = None
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
@@ -110,11 +113,18 @@ class _SamplingBody(BaseModel):
     def refuse_unsupported(self) -> None:
         for name, default in UNSUPPORTED.items():
             value = getattr(self, name, default)
-            if value is None or value == default or (name == "response_format" and value == {"type": "text"}):
+            if value is None or value == default:
                 continue
             raise ApiError(400, f"'{name}' is not supported by kvstrata", param=name)
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured(self) -> GrammarSpec | None:
+        """The grammar the output must match, from whichever field asked for one."""
+        guided = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                         "guided_grammar")}
+        return spec_from_request(self.response_format, self.structured_outputs, guided)
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None,
+                 structured: GrammarSpec | None = None) -> SamplingParams:
         """max_tokens None: up to the context length, resolved once the prompt is tokenized."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
@@ -123,20 +133,29 @@ class _SamplingBody(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(stops),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            n=self.n or 1, best_of=self.best_of,
+            n=self.n or 1, best_of=self.best_of, structured=structured,
         ).validate()
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None      # None only for assistant (as OpenAI allows)
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None         # assistant: the calls it made (tool_calls.py)
+    tool_call_id: str | None = None                        # tool: the call this is the result of
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_calls is not None and (self.role != "assistant" or not all(
+                isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments"), str) for c in self.tool_calls)):
+            raise ValueError('tool_calls belong to assistant messages, each {"id", "type": "function", '
+                             '"function": {"name", "arguments"}}')
         return self
 
     def text(self) -> str:
@@ -157,6 +176,9 @@ class ChatRequest(_SamplingBody):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingBody):
@@ -349,11 +371,16 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def chat(body: ChatRequest, request: Request):
         _check_common(state, body)
         messages = _chat_messages(body.messages)
+        try:
+            tools = ToolPlan.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-        return await _respond(state, request, body, ChatPrompt(tuple(messages)), max_tokens, logprobs, chat=True)
+        prompt = ChatPrompt(tuple(messages), tuple(tools.prompt_tools) if tools else ())
+        return await _respond(state, request, body, prompt, max_tokens, logprobs, chat=True, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -371,8 +398,16 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     return app
 
 
-def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        item: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            item["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            item["tool_call_id"] = m.tool_call_id
+        out.append(item)
+    return out
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -395,12 +430,13 @@ def _check_common(state: ServerState, body: _SamplingBody) -> None:
 
 
 async def _respond(state: ServerState, request: Request, body: _SamplingBody, prompt: Prompt,
-                   max_tokens: int | None, logprobs: int | None, chat: bool):
+                   max_tokens: int | None, logprobs: int | None, chat: bool, tools: ToolPlan | None = None):
     kind = "chat.completion" if chat else "text_completion"
     try:
-        params = body.sampling(max_tokens, logprobs)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="best_of" if "best_of" in str(exc) else None) from exc
+        params = body.sampling(max_tokens, logprobs, _constraint(body, tools))
+    except ValueError as exc:        # a schema the grammar library rejects too: nothing is queued
+        param = getattr(exc, "param", None) or ("best_of" if "best_of" in str(exc) else None)
+        raise ApiError(400, str(exc), param=param) from exc
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     tracker = _Tracker(state, time.monotonic(), request_id, params.num_samples)
     stream = state.engine.generate(prompt, params, request_id, body.priority)
@@ -416,7 +452,8 @@ async def _respond(state: ServerState, request: Request, body: _SamplingBody, pr
     tracker.seen(first)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
-        return StreamingResponse(_sse(state, tracker, first, stream, request_id, chat, include_usage, params.n),
+        return StreamingResponse(_sse(state, tracker, first, stream, request_id, chat, include_usage, params.n,
+                                      tools),
                                  media_type="text/event-stream")
     outputs = [first]
     try:
@@ -430,7 +467,17 @@ async def _respond(state: ServerState, request: Request, body: _SamplingBody, pr
         raise ApiError(500, STEP_FAILED, code="engine_step_failed")
     samples = [[out for out in outputs if out.index == index] for index in range(params.num_samples)]
     samples = [outputs for outputs in samples if outputs]         # all, unless the client left early
-    return _full_response(state, samples, params.n, request_id, kind, chat, tracker.arrival_wall)
+    return _full_response(state, samples, params.n, request_id, kind, chat, tracker.arrival_wall, tools)
+
+
+def _constraint(body: _SamplingBody, tools: ToolPlan | None) -> GrammarSpec | None:
+    """The request's grammar: from response_format or vLLM's fields, or from a required/named tool_choice."""
+    asked = body.structured()
+    forced = tools.constraint() if tools is not None else None
+    if asked is not None and forced is not None:
+        raise ApiError(400, f"tool_choice {tools.mode} constrains the reply already; drop {asked.param}",
+                       param=asked.param)
+    return asked or forced
 
 
 class _Tracker:
@@ -516,8 +563,9 @@ def _completion_logprobs(state: ServerState, entries: list[TokenLogprob], offset
 
 
 def _full_response(state: ServerState, samples: list[list[RequestOutput]], n: int, request_id: str, kind: str,
-                   chat: bool, created: int) -> dict:
-    """One choice per returned sample: each sample's outputs joined, the n best kept (best_of)."""
+                   chat: bool, created: int, tools: ToolPlan | None = None) -> dict:
+    """One choice per returned sample: each sample's outputs joined, the n best kept (best_of); with
+    tools, each choice's reply parsed for tool calls."""
     finals = best_samples([_joined(outputs) for outputs in samples], n)
     choices = []
     for final in finals:
@@ -525,6 +573,8 @@ def _full_response(state: ServerState, samples: list[list[RequestOutput]], n: in
                                   else "abort"}
         if chat:
             choice["message"] = {"role": "assistant", "content": final.text}
+            if tools is not None:
+                choice["message"], choice["finish_reason"] = message(tools, final.text, choice["finish_reason"])
             choice["logprobs"] = _chat_logprobs(state, final.logprobs) if final.logprobs else None
         else:
             choice["text"] = final.text
@@ -541,12 +591,14 @@ def _joined(outputs: list[RequestOutput]) -> RequestOutput:
 
 
 async def _sse(state: ServerState, tracker: _Tracker, first: RequestOutput, stream: AsyncIterator[RequestOutput],
-               request_id: str, chat: bool, include_usage: bool, n: int = 1) -> AsyncIterator[str]:
-    """Server-sent events, each choice with its sample's `index`; the client going away cancels this
-    generator, which aborts the request."""
+               request_id: str, chat: bool, include_usage: bool, n: int = 1, tools: ToolPlan | None = None
+               ) -> AsyncIterator[str]:
+    """Server-sent events, each choice with its sample's `index` (and, with tools, its own tool-call
+    parser); the client going away cancels this generator, which aborts the request."""
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
     created = tracker.arrival_wall
     offsets = [0] * n
+    calls = [ToolCallStream(tools) for _ in range(n)] if tools is not None else None
 
     def event(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": request_id, "object": chunk_kind, "created": created, "model": state.model_name,
@@ -558,7 +610,10 @@ async def _sse(state: ServerState, tracker: _Tracker, first: RequestOutput, stre
     def choice(out: RequestOutput) -> dict:
         finish = out.finish_reason if out.finished else None
         if chat:
-            item = {"index": out.index, "delta": {"content": out.text} if out.text else {}, "finish_reason": finish,
+            delta = {"content": out.text} if out.text else {}
+            if calls is not None:
+                delta, finish = calls[out.index].delta(out.text, finish)
+            item = {"index": out.index, "delta": delta, "finish_reason": finish,
                     "logprobs": _chat_logprobs(state, out.logprobs) if out.logprobs else None}
         else:
             item = {"index": out.index, "text": out.text, "finish_reason": finish, "logprobs":
