@@ -182,6 +182,30 @@ def test_required_tool_calls_stream_whole(client):
     assert not any(d.delta.content for d in deltas)
 
 
+def test_samples_of_one_request_each_follow_the_grammar_and_call_tools(client, server):
+    """n > 1 with a schema and with a named tool: every sample has its own matcher and its own
+    tool-call parser (streamed, each index assembles its own arguments)."""
+    schema_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, n=3, temperature=1.0, seed=5, max_tokens=96,
+                                           response_format=schema_format)
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+    for choice in reply.choices:
+        jsonschema.validate(json.loads(choice.message.content), PLACE)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER], tool_choice=named,
+                                            n=2, temperature=1.0, seed=3, max_tokens=48, stream=True)
+    arguments, finish = {0: "", 1: ""}, {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or ():
+                arguments[choice.index] += call.function.arguments or ""
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for text in arguments.values():
+        jsonschema.validate(json.loads(text), WEATHER["function"]["parameters"])
+    _at_rest(server)
+
+
 def test_conversation_with_a_tool_result_is_accepted(client, server):
     turns = WEATHER_ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
