@@ -21,7 +21,7 @@ import time
 import torch
 
 from kvstrata.config import ModelConfig
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.hashing import BlockHasher
 from kvstrata.model.loader import load_model
 from kvstrata.request import Request, SamplingParams
 from kvstrata.sampler import Sampler

@@ -12,8 +12,8 @@ import time
 from kvstrata.bench.cli import add_bench
 from kvstrata.config import ServerConfig
 from kvstrata.flags import add_engine_flags, add_section_flags, engine_config
-from kvstrata.router import add_router
-from kvstrata.sim_cli import add_calibrate, add_simulate
+from kvstrata.routing.proxy import add_router
+from kvstrata.sim.cli import add_calibrate, add_simulate
 
 # ---- generate -----------------------------------------------------------------------------------
 def add_generate(commands: argparse._SubParsersAction) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 from kvstrata.config import EngineConfig
 from kvstrata.detokenizer import IncrementalDetokenizer
 from kvstrata.faults import FaultInjector, FaultyMover
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.hashing import BlockHasher
 from kvstrata.kvcache.storage import open_store
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.model.arch import ModelArch

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvstrata.kvcache.hashing import BlockHash
+from kvstrata.hashing import BlockHash
 from kvstrata.kvcache.transfers import BlockMover
 
 SITES = ("copy", "encode", "decode", "execute")

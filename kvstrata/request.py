@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstrata.kvcache.hashing import BlockHash, BlockHasher
+from kvstrata.hashing import BlockHash, BlockHasher
 
 if TYPE_CHECKING:
     from kvstrata.structured import GrammarSpec

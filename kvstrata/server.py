@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstrata import __version__
 from kvstrata.engine import AsyncLLMEngine, ChatPrompt, Prompt
-from kvstrata.kv_events import publish
+from kvstrata.routing.events import publish
 from kvstrata.metrics import ServerMetrics
 from kvstrata.request import MAX_SAMPLES, RequestOutput, SamplingParams, TokenLogprob, best_samples
 from kvstrata.structured import GrammarSpec, spec_from_request
@@ -322,7 +322,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     @app.get("/v1/kv_events")
     async def kv_events(since: int = 0, instance: str | None = None, timeout: float = Query(0.0, ge=0.0, le=30.0)):
-        """What the caches hold, for routers (kvstrata.kv_events): long-polls up to `timeout` seconds."""
+        """What the caches hold, for routers (kvstrata.routing.events): long-polls up to `timeout` seconds."""
         return await events.poll(since, instance, timeout)
 
     @app.get("/version")

@@ -17,7 +17,7 @@ import xxhash
 from kvstrata.config import CacheConfig, SchedulerConfig
 from kvstrata.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.block_pool import BlockState
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.hashing import BlockHasher
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.request import Request, SampleFamily, SamplingParams
 from kvstrata.scheduler import Scheduler, SchedulerOutput

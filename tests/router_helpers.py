@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import httpx
 from server_helpers import serving
 
-from kvstrata.router import RouterConfig, build_fleet, create_router_app
+from kvstrata.routing.proxy import RouterConfig, build_fleet, create_router_app
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 import pytest
 
 from kvstrata.kvcache.block_pool import AuditError, BlockPool, BlockState
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.hashing import BlockHasher
 
 HASHER = BlockHasher.create(4, "pool-test")
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from kvstrata.kvcache.hashing import BlockHasher, chain_root, encode_tokens, hash_block
+from kvstrata.hashing import BlockHasher, chain_root, encode_tokens, hash_block
 
 TOKENS = list(range(100, 140))
 
@@ -42,7 +42,7 @@ def test_canonical_encoding_is_little_endian_uint32():
 
 def test_hashes_are_stable_across_processes():
     """A fresh interpreter (new hash seed) computes the same bytes: stores can be shared."""
-    code = ("from kvstrata.kvcache.hashing import BlockHasher\n"
+    code = ("from kvstrata.hashing import BlockHasher\n"
             "out = []\nBlockHasher.create(16, 'm', 'salt').extend(out, list(range(100, 140)))\n"
             "print(','.join(h.hex() for h in out))")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

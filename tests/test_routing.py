@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from test_simulator import fixed_cost, synthetic_trace
 
-from kvstrata.kv_events import EngineLoad, KVEventLog, publish
-from kvstrata.router_view import EventView
-from kvstrata.routing import POLICIES, RoutedPrompt, make_policy
-from kvstrata.simulator import SimConfig, Simulator
-from kvstrata.traces import read_mooncake
+from kvstrata.routing.events import EngineLoad, KVEventLog, publish
+from kvstrata.routing.event_view import EventView
+from kvstrata.routing.policies import POLICIES, RoutedPrompt, make_policy
+from kvstrata.sim.simulator import SimConfig, Simulator
+from kvstrata.sim.traces import read_mooncake
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

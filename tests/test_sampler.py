@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.hashing import BlockHasher
 from kvstrata.request import MIN_TEMPERATURE, Request, SamplingParams
 from kvstrata.sampler import Sampler, apply_filters, apply_penalties
 

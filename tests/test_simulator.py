@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.cost_model import BatchShape, CostModel, Link, fit, roofline
-from kvstrata.kvcache.hashing import BlockHasher
-from kvstrata.sim_cli import parse_sweep
-from kvstrata.simulator import SimConfig, Simulator
-from kvstrata.traces import TraceRequest, TraceTokens, ideal_hit_rate, read_mooncake
+from kvstrata.sim.cost_model import BatchShape, CostModel, Link, fit, roofline
+from kvstrata.hashing import BlockHasher
+from kvstrata.sim.cli import parse_sweep
+from kvstrata.sim.simulator import SimConfig, Simulator
+from kvstrata.sim.traces import TraceRequest, TraceTokens, ideal_hit_rate, read_mooncake
 
 REAL_TRACE = Path(__file__).parent.parent.parent / "shared/data/traces/conversation_trace.jsonl"
 
@@ -275,7 +275,7 @@ def test_sweep_names_a_capacity():
 
 
 def test_the_simulator_never_imports_torch(trace_file):
-    code = ("import sys; from kvstrata.sim_cli import simulate; from kvstrata.simulator import Simulator; "
+    code = ("import sys; from kvstrata.sim.cli import simulate; from kvstrata.sim.simulator import Simulator; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

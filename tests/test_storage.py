@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from store_helpers import RedisServer, free_port, hammer_disk_store, redis_server  # noqa: F401
 
 from kvstrata.kvcache.buffers import KVCacheSpec
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.hashing import BlockHasher
 from kvstrata.kvcache.records import HEADER, RecordError, decode_record, encode_record, record_size
 from kvstrata.kvcache.storage import DiskStore, RedisStore, StoreError, open_store
 

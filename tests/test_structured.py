@@ -6,7 +6,7 @@ import jsonschema
 import pytest
 import torch
 
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.hashing import BlockHasher
 from kvstrata.request import Request, RequestRejected, SamplingParams
 from kvstrata.sampler import Sampler
 from kvstrata.structured import GrammarMasker, GrammarSpec, spec_from_request, token_bound

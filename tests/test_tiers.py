@@ -6,7 +6,7 @@ import pytest
 from fakes import make_request, unchecked_plan
 
 from kvstrata.config import CacheConfig
-from kvstrata.kvcache.hashing import hash_block
+from kvstrata.hashing import hash_block
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.request import RequestStatus
 

@@ -13,15 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstrata.cost_model import BatchShape, CostModel, Link
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.sim.cost_model import BatchShape, CostModel, Link
+from kvstrata.hashing import BlockHasher
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.prefix_groups import group_decodes
 from kvstrata.runner import ModelRunner
-from kvstrata.sim_io import NullMover
-from kvstrata.simulator import SimConfig, Simulator
-from kvstrata.traces import TraceRequest, TraceTokens, shrink
-from kvstrata.validation import (FittedOnError, Slice, check_not_fitted_on, session_lines, slice_identity,
+from kvstrata.sim.stand_ins import NullMover
+from kvstrata.sim.simulator import SimConfig, Simulator
+from kvstrata.sim.traces import TraceRequest, TraceTokens, shrink
+from kvstrata.sim.validation import (FittedOnError, Slice, check_not_fitted_on, session_lines, slice_identity,
                                  spread_ties)
 
 BS = 16
@@ -189,7 +189,7 @@ def test_a_store_hit_pays_for_decoding_its_records():
 # ---- end to end on the real engine (slow) -------------------------------------------------------
 @pytest.mark.slow
 def test_validation_on_the_real_engine_reports_every_figure_per_tier(tmp_path):
-    from kvstrata.validation import FIGURES, validate
+    from kvstrata.sim.validation import FIGURES, validate
 
     trace = Path(__file__).parent.parent.parent / "shared/data/traces/conversation_trace.jsonl"
     if not trace.exists():

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstrata.kvcache.hashing import BlockHasher
-from kvstrata.traces import TRACE_BLOCK, TraceTokens, read_mooncake
+from kvstrata.hashing import BlockHasher
+from kvstrata.sim.traces import TRACE_BLOCK, TraceTokens, read_mooncake
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 
@@ -127,7 +127,7 @@ def multi_turn_workload(opts: WorkloadOptions, seed: int) -> Workload:
 def trace_workload(path: str, opts: WorkloadOptions) -> Workload:
     """A slice of a Mooncake trace replayed at its own (scaled) times.
 
-    Each hash id becomes `512 * trace_length_scale` tokens drawn from the id alone (`kvstrata.traces`),
+    Each hash id becomes `512 * trace_length_scale` tokens drawn from the id alone (`kvstrata.sim.traces`),
     so equal ids give equal tokens and the trace's prefix sharing is reproduced exactly at any scale.
     Output lengths are capped at `output_len`.
     """

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from kvstrata.kvcache.buffers import PagedKVCache
-from kvstrata.kvcache.hashing import BlockHash
+from kvstrata.hashing import BlockHash
 from kvstrata.kvcache.records import RecordError, decode_record, encode_record
 
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import xxhash
 
 from kvstrata.kvcache.buffers import KVCacheSpec
-from kvstrata.kvcache.hashing import encode_tokens
+from kvstrata.hashing import encode_tokens
 
 MAGIC = b"KVSTRATA"
 RECORD_VERSION = 1

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 from kvstrata.config import CacheConfig
 from kvstrata.kvcache.block_pool import Block, BlockPool, BlockState, EvictedBlock, PoolCounts
-from kvstrata.kvcache.hashing import BlockHash
+from kvstrata.hashing import BlockHash
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.transfers import BlockMover, Executor, LoadTransfer
 from kvstrata.request import Request, RequestStatus

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvstrata.kvcache.block_pool import Block
-from kvstrata.kvcache.hashing import BlockHash
+from kvstrata.hashing import BlockHash
 from kvstrata.request import Request
 
 

@@ -9,7 +9,7 @@ starts, or the engine restarted) gets a snapshot of every hash held now instead.
     engine thread:  BlockPool.listener -> KVEventLog.record   (under a lock, O(1))
     server thread:  KVEventLog.since(seq) -> events | snapshot
 
-Hashes are the chained block hashes of kvstrata.kvcache.hashing, sent as hex with the chain root
+Hashes are the chained block hashes of kvstrata.hashing, sent as hex with the chain root
 and block size, so a router computes the same hashes from the tokens and matches without sharing
 memory. The store tier is shared by the fleet and is not published.
 """
@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from kvstrata.kvcache.block_pool import BlockPool
-from kvstrata.kvcache.hashing import BlockHash
-from kvstrata.routers import SchedulerView
+from kvstrata.hashing import BlockHash
+from kvstrata.routing.scheduler_view import SchedulerView
 from kvstrata.scheduler import Scheduler
 
 PUBLISHED_TIERS = ("device", "host")

@@ -1,4 +1,4 @@
-"""Fit the simulator's cost model to the real engine (`kvstrata calibrate`); `validation.py` checks it.
+"""Fit the simulator's cost model to the real engine (`kvstrata calibrate`); `kvstrata.sim.validation` checks it.
 
 `calibrate` runs the real `LLMEngine` over a grid of batch shapes and times whole steps:
 
@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata.config import EngineConfig
-from kvstrata.cost_model import BatchShape, CostModel, Link, fit, relative_errors
+from kvstrata.sim.cost_model import BatchShape, CostModel, Link, fit, relative_errors
 from kvstrata.request import SamplingParams
-from kvstrata.validation import (BLOCK_SIZE, CLOCKS, MAX_CHUNK, SLICES, ShapeRecorder, loadavg, replay_on_engine,
+from kvstrata.sim.validation import (BLOCK_SIZE, CLOCKS, MAX_CHUNK, SLICES, ShapeRecorder, loadavg, replay_on_engine,
                                  slice_identity, speed_probe, time_scale_for, warm_up)
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The simulator's side of routing: views read from in-process schedulers, fed to kvstrata.routing.
 
 `kvstrata simulate` holds its engines' `Scheduler` objects, so its `EngineView` reads their pools
-and request tables directly; the policies themselves live in kvstrata.routing, shared with
+and request tables directly; the policies themselves live in kvstrata.routing.policies, shared with
 `kvstrata router`.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstrata.kvcache.hashing import BlockHash
+from kvstrata.hashing import BlockHash
 from kvstrata.request import Request
-from kvstrata.routing import POLICIES, Policy, RoutedPrompt, make_policy
+from kvstrata.routing.policies import POLICIES, Policy, RoutedPrompt, make_policy
 from kvstrata.scheduler import Scheduler
 
 ROUTERS = POLICIES
@@ -21,7 +21,7 @@ ROUTERS = POLICIES
 @dataclass(frozen=True)
 class SchedulerView:
     """An engine's view read from its scheduler and tier manager; always available. The simulator
-    routes with it; a server reports its load with it (kvstrata.kv_events)."""
+    routes with it; a server reports its load with it (kvstrata.routing.events)."""
 
     scheduler: Scheduler
     available: bool = True

@@ -1,10 +1,10 @@
 """`kvstrata router`: one OpenAI-compatible endpoint over many `kvstrata serve` engines.
 
     client -> router: tokenize as the engines do (tokenizer, chat template), hash the blocks with the
-              engines' chain root (it carries the cache salt), ask the policy (kvstrata.routing)
+              engines' chain root (it carries the cache salt), ask the policy (kvstrata.routing.policies)
            -> engine: the request body, unchanged; the reply (or the stream) is relayed unchanged
 
-Per engine, a watcher long-polls `/v1/kv_events` into an `EventView` (kvstrata.router_view) and
+Per engine, a watcher long-polls `/v1/kv_events` into an `EventView` (kvstrata.routing.event_view) and
 checks `/health`. An engine that does not answer, answers 503 or fails its health check is taken
 out: it gets no new requests, and the request that found it out is sent to another engine (a
 stream that already started ends with an error event instead: its tokens cannot be taken back).
@@ -31,9 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from kvstrata.kvcache.hashing import BlockHasher
-from kvstrata.router_view import EventView
-from kvstrata.routing import POLICIES, Decision, NoEngineAvailable, Policy, RoutedPrompt, make_policy
+from kvstrata.hashing import BlockHasher
+from kvstrata.routing.event_view import EventView
+from kvstrata.routing.policies import POLICIES, Decision, NoEngineAvailable, Policy, RoutedPrompt, make_policy
 
 logger = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvstrata.cost_model import BatchShape, CostModel
-from kvstrata.simulator import TIERS, RequestRecord, SimConfig, Simulator, summarize
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.sim.cost_model import BatchShape, CostModel
+from kvstrata.sim.simulator import TIERS, RequestRecord, SimConfig, Simulator, summarize
+from kvstrata.hashing import BlockHasher
 from kvstrata.request import SamplingParams
-from kvstrata.traces import TRACE_BLOCK, TraceRequest, TraceTokens, ideal_hits, read_mooncake, shrink
+from kvstrata.sim.traces import TRACE_BLOCK, TraceRequest, TraceTokens, ideal_hits, read_mooncake, shrink
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""The router's view of one engine, built from its KV events (kvstrata.kv_events).
+"""The router's view of one engine, built from its KV events (kvstrata.routing.events).
 
 `kvstrata router` keeps one `EventView` per engine and feeds it every reply of the engine's
 `/v1/kv_events` long-poll: a snapshot replaces what it holds, events add and remove hashes. The
-routing policies (kvstrata.routing) read it as they read the simulator's scheduler views.
+routing policies (kvstrata.routing.policies) read it as they read the simulator's scheduler views.
 
 Load is the larger of what the engine last reported and what this router has sent it and not yet
 seen answered, so a burst routed between two reports is not all sent to the same engine.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstrata.kvcache.hashing import BlockHash
-from kvstrata.kv_events import PUBLISHED_TIERS
+from kvstrata.hashing import BlockHash
+from kvstrata.routing.events import PUBLISHED_TIERS
 
 
 @dataclass

@@ -10,8 +10,8 @@
                      Dynamo rule)
 
 A policy never sees an engine, only an `EngineView`: what it holds (block hashes per tier) and how
-busy it is. `kvstrata simulate` builds views from its in-process schedulers (kvstrata.routers);
-`kvstrata router` builds them from the engines' KV events (kvstrata.router_view). Both run the very
+busy it is. `kvstrata simulate` builds views from its in-process schedulers (kvstrata.routing.scheduler_view);
+`kvstrata router` builds them from the engines' KV events (kvstrata.routing.event_view). Both run the very
 same policy objects, so a fleet plan made with the simulator is a plan for the real router.
 
 The store tier is shared by the fleet, so it does not tell engines apart: views hold device and
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstrata.kvcache.hashing import BlockHash
+from kvstrata.hashing import BlockHash
 
 REMEMBERED_PREFIXES = 1 << 20      # prefix_affinity's memory of block hashes, least recently routed dropped
 VIEW_TIERS = ("device", "host")     # matched in this order: a device run, then a host run

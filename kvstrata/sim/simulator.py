@@ -9,7 +9,7 @@ that serves requests:
                charges for its batch plus its device <-> host copies; when it ends, update() gets
                one sampled token per sampling chunk (requests stop at their trace output length)
                and the next step starts at once
-    store I/O  lookups, loads and writes complete when their transfer would have (sim_io), so
+    store I/O  lookups, loads and writes complete when their transfer would have (stand_ins), so
                requests wait in LOADING and blocks stay IN_FLIGHT as in the engine
 
 At equal times arrivals go first, then store I/O, then steps: a burst of arrivals meets the next
@@ -29,14 +29,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvstrata.config import POLICIES, WRITE_POLICIES, CacheConfig, SchedulerConfig
-from kvstrata.cost_model import BatchShape, CostModel
-from kvstrata.kvcache.hashing import BlockHasher
+from kvstrata.sim.cost_model import BatchShape, CostModel
+from kvstrata.hashing import BlockHasher
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.request import Request, SamplingParams
-from kvstrata.routers import ROUTERS, make_router
+from kvstrata.routing.scheduler_view import ROUTERS, make_router
 from kvstrata.scheduler import Scheduler, SchedulerOutput
-from kvstrata.sim_io import NullMover, SimStore, VirtualClock, VirtualExecutor
-from kvstrata.traces import (TRACE_BLOCK, TraceRequest, TraceTokens, check_tokens_per_id, ideal_hit_rate,
+from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
+from kvstrata.sim.traces import (TRACE_BLOCK, TraceRequest, TraceTokens, check_tokens_per_id, ideal_hit_rate,
                              num_prompt_blocks)
 
 logger = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 from kvstrata.config import POLICIES, WRITE_POLICIES, parse_size
-from kvstrata.cost_model import HARDWARE, MODELS, CostModel, roofline
-from kvstrata.routers import ROUTERS
-from kvstrata.simulator import SimConfig, SimResult, Simulator
-from kvstrata.traces import read_mooncake
+from kvstrata.sim.cost_model import HARDWARE, MODELS, CostModel, roofline
+from kvstrata.routing.scheduler_view import ROUTERS
+from kvstrata.sim.simulator import SimConfig, SimResult, Simulator
+from kvstrata.sim.traces import read_mooncake
 
 CAPACITIES = ("device_cache_tokens", "host_cache_tokens", "store_cache_tokens")
 DEFAULT_PROFILE = Path("bench/profiles/cpu-2core-smollm2.json")
@@ -141,7 +141,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if warning:
             print(f"{label + ': ' if label else ''}{warning}")
     if args.plot is not None:
-        from kvstrata.sim_plots import plot_hit_rate, plot_ttft_cdf
+        from kvstrata.sim.plots import plot_hit_rate, plot_ttft_cdf
         paths = [plot_ttft_cdf([r for _, r in results], labels, args.plot / "ttft_cdf.png")]
         if args.sweep is not None:
             paths.append(plot_hit_rate(report["runs"], name, values, args.plot / f"hit_rate_vs_{name}.png"))
@@ -151,7 +151,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def run_validation(args: argparse.Namespace) -> int:
     """`--validate`: a slice at three loads (or one --time-scale), on the real engine and in the simulator."""
-    from kvstrata.validation import SLICES, validate
+    from kvstrata.sim.validation import SLICES, validate
 
     cost = CostModel.load(args.profile or DEFAULT_PROFILE)
     chosen = SLICES[args.slice]
@@ -283,9 +283,9 @@ def add_calibrate(commands: argparse._SubParsersAction) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from kvstrata.calibrate import calibrate
+    from kvstrata.sim.calibrate import calibrate
 
-    from kvstrata.validation import SLICES
+    from kvstrata.sim.validation import SLICES
 
     slices = tuple(name for name in args.fit_slices.split(",") if name)
     if set(slices) - set(SLICES):
