@@ -3,10 +3,11 @@
 Writes a multi-turn Mooncake trace (conversations whose every turn adds a 512-token block to the
 last turn's prompt; the reply is not part of the next prompt), then for each policy:
 
-    real       two fresh `kvstrata serve` engines (fp32, 1 thread each, as the profile was calibrated)
+    real       two fresh `kvstrata serve` engines (--dtype auto and 1 thread each, as `kvstrata calibrate`
+               made the shipped profile; bf16 on a CPU with AVX-512 BF16)
                behind `kvstrata router --policy P`, driven by `kvstrata bench serve --workload trace:`
     simulated  `kvstrata simulate --instances 2 --router P` on the same trace with the calibrated
-               profile and the engines' device KV (1 GiB of fp32 SmolLM2 KV = 23,296 tokens)
+               profile and the engines' device KV (1,456 blocks of 16 = 23,296 tokens, set on both sides)
 
 and prints TTFT p50/p99 and the cached prompt fraction of both, with the relative error of the
 simulation. Timings on a shared machine mostly measure the neighbours: state the load (printed).
@@ -66,7 +67,8 @@ def wait_ready(router: str, processes: list[subprocess.Popen], timeout: float = 
 def real_run(policy: str, trace: Path, requests: int, time_scale: float, out: Path, port: int) -> dict:
     engines = [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
     logs = open(out / f"fleet-{policy}.log", "w")
-    processes = [kvstrata("serve", "--port", url.rsplit(":", 1)[1], "--threads", "1", "--dtype", "float32",
+    processes = [kvstrata("serve", "--port", url.rsplit(":", 1)[1], "--threads", "1",
+                          "--num-device-blocks", str(DEVICE_TOKENS // 16),
                           "--log-level", "WARNING", stdout=logs, stderr=subprocess.STDOUT) for url in engines]
     flags = [flag for url in engines for flag in ("--engine", url)]
     processes.append(kvstrata("router", "--port", str(port), "--policy", policy, "--log-level", "WARNING", *flags,
