@@ -76,7 +76,6 @@ def _stream(base: str, text: str) -> tuple[int, str]:
         return reply.status_code, "".join(reply.iter_text())
 
 
-@pytest.mark.slow
 def test_engine_killed_mid_run_then_back(smollm2, tmp_path):
     """A killed engine is taken out; its requests go to the other one; every request ends; it comes back."""
     from server_helpers import free_port, start_server_process
