@@ -46,7 +46,8 @@ path. A float32 model shrugs that off, but int8 activations round it into whole 
 steps: greedy outputs with caching on and off then part ways (8 of 25 prompts in
 tests/test_int8.py). Summing in float64 and rounding the result to float32 makes every path give
 the same float32 value unless the exact one lies within ~1e-16 of a rounding boundary. Cost: the
-gathered K/V is converted once per layer, and the matmuls run at half the float32 rate.
+gathered K/V is copied once more per layer (into a kept float64 buffer), and the matmuls run at
+half the float32 rate.
 
 GQA without copying K/V: a decode's query heads are grouped as (.., KVH, G, D) so each kv head
 is attended by G query rows. Prefill inputs to SDPA are 4-D: PyTorch's CPU SDPA takes its fused
@@ -140,7 +141,7 @@ class PagedAttention:
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.compute_dtype = compute_dtype        # None: the KV cache's dtype; see "Exact attention"
-        self._scratch: torch.Tensor | None = None
+        self._scratch: list[torch.Tensor | None] = [None, None]
 
     def plan(self, batch: ForwardBatch, block_size: int, num_blocks: int, dtype: torch.dtype) -> AttentionPlan:
         """Masks are additive in `dtype` (SDPA would convert a boolean mask in every layer);
@@ -231,7 +232,6 @@ class PagedAttention:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=g > 1)
             else:
                 kv = self._blocks(self._gather(kv_layer, chunk.rows), 0, chunk.rows.shape[0] // (2 * kvh))
-                kv = kv if self.compute_dtype is None else kv.to(self.compute_dtype)
                 o = F.scaled_dot_product_attention(qc, kv[0][None], kv[1][None], attn_mask=chunk.mask,
                                                    enable_gqa=g > 1)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1).reshape(n, h * d)   # (n, H * D)
@@ -242,7 +242,6 @@ class PagedAttention:
         part, then each group's prefix merged in), the others by one SDPA."""
         h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         buf = self._gather(kv_layer, plan.decode_rows)
-        buf = buf if self.compute_dtype is None else buf.to(self.compute_dtype)
         for seg in plan.own:
             n = seg.end - seg.start
             keys = self._blocks(buf, seg.offset, n * seg.blocks).unflatten(2, (n, -1))   # (2, KVH, n, L, D)
@@ -270,18 +269,24 @@ class PagedAttention:
         return o.transpose(0, 1).reshape(n, kvh * g * d)
 
     def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Copy the block rows `rows` (see _gather_rows) into the scratch buffer; returns it as
-        (rows, bs * D). Read it back with `_blocks`."""
+        """Copy the block rows `rows` (see _gather_rows) into the scratch buffer, in `compute_dtype`
+        when one is set; returns it as (rows, bs * D). Read it back with `_blocks`."""
         two, kvh, num_blocks, bs, d = kv_layer.shape
         need = rows.shape[0] * bs * d
-        scratch = self._scratch
-        if scratch is None or scratch.numel() < need or scratch.dtype != kv_layer.dtype \
-                or scratch.device != kv_layer.device:
-            size = need if scratch is None else max(need, scratch.numel() * 3 // 2)   # grow rarely
-            scratch = self._scratch = torch.empty(size, dtype=kv_layer.dtype, device=kv_layer.device)
-        buf = scratch[:need].view(rows.shape[0], bs * d)
+        buf = self._buffer(0, need, kv_layer.dtype, kv_layer.device).view(rows.shape[0], bs * d)
         torch.index_select(kv_layer.view(two * kvh * num_blocks, bs * d), 0, rows, out=buf)
-        return buf
+        if self.compute_dtype is None or self.compute_dtype == buf.dtype:
+            return buf
+        # Into a kept buffer: a fresh float64 tensor per layer (`.to()`) cost 8x the copy in page faults.
+        return self._buffer(1, need, self.compute_dtype, kv_layer.device).view_as(buf).copy_(buf)
+
+    def _buffer(self, index: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`numel` elements of grow-only scratch buffer `index` (0: the gather, 1: its compute_dtype copy)."""
+        scratch = self._scratch[index]
+        if scratch is None or scratch.numel() < numel or scratch.dtype != dtype or scratch.device != device:
+            size = numel if scratch is None else max(numel, scratch.numel() * 3 // 2)   # grow rarely
+            scratch = self._scratch[index] = torch.empty(size, dtype=dtype, device=device)
+        return scratch[:numel]
 
     def _blocks(self, buf: torch.Tensor, offset: int, count: int) -> torch.Tensor:
         """K and V of `count` blocks from block `offset` of a gather buffer filled by one `_gather_rows`
