@@ -11,7 +11,7 @@ from model_helpers import Seq, greedy_chat, new_cache, run_step, save_tiny_hf_mo
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
 from kvstrata.config import ModelConfig
-from kvstrata.model.linear import SPLIT_MAX_ROWS, linear
+from kvstrata.model.linear import DenseLinear, PackedLinear, can_pack
 from kvstrata.model.loader import load_model
 
 ATOL = 1e-4        # float32, logits of magnitude ~10
@@ -171,12 +171,17 @@ def test_smollm2_greedy_answer_names_paris(smollm2):
     assert "Paris" in answer, answer
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 40, SPLIT_MAX_ROWS + 1])
-@pytest.mark.parametrize("parts", [1, 2, 4])
-def test_split_linear_equals_f_linear(rows, parts):
+@pytest.mark.skipif(not can_pack(torch.empty(0)), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("rows", [1, 3, 16, 40, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_f_linear(rows, dtype):
     gen = torch.Generator().manual_seed(rows)
-    x, w, b = (torch.randn(*s, generator=gen) for s in ((rows, 48), (96, 48), (96,)))
+    x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in ((rows, 48), (96, 48), (96,)))
+    if not can_pack(w):
+        pytest.skip(f"oneDNN has no {dtype} kernels on this CPU")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for bias in (None, b):
-        y = linear(x, w, bias, parts)
-        assert y.shape == (rows, 96) and y.is_contiguous()
-        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+        dense = DenseLinear(w, bias)
+        y = PackedLinear.from_dense(dense)(x)
+        assert y.shape == (rows, 96) and y.dtype == dtype
+        torch.testing.assert_close(y, dense(x), atol=tol, rtol=tol)

@@ -3,13 +3,13 @@
 Why. A decode step of a few sequences is mostly the dispatch of small torch ops: ~65 per layer
 (norms, RoPE, residual adds, SiLU * up, and for int8 the per-token quantization and rescaling around
 each matmul), each a parallel region the two threads must meet at. Inductor fuses the element-wise
-work into a few C++ loops; the matmuls stay library calls (MKL, or `_int_mm` for int8).
+work into a few C++ loops; the matmuls stay library calls (oneDNN, or `_int_mm` for int8).
 
 What is compiled: `DecoderLayer.attention_inputs` and `DecoderLayer.after_attention`, each once for
 all layers: the layer is an argument, so dynamo guards on its type and tensor shapes, not on which
 layer it is. Paged attention and the KV write stay eager (a plan built per step, data-dependent
 shapes). `dynamic=True` keeps the token count symbolic: graphs are made per range of it that the
-code branches on (one token; several; float32 `linear`'s row-count thresholds), a bounded set that
+code branches on (one token; several), a bounded set that
 `warm_up` compiles at load, so no request waits for a compile. Inductor keeps what it compiled on
 disk (its cache dir, /tmp/torchinductor_$USER unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a
 second start mostly reads it back.
@@ -22,14 +22,13 @@ import time
 
 import torch
 
-from kvstrata.model.linear import SPLIT_MAX_ROWS
 from kvstrata.model.llama import DecoderLayer, LlamaModel
 
 logger = logging.getLogger(__name__)
 
-# One prefill of each size reaches every branch of the layer code: 1 token, then each range of
-# `linear`'s row count (bmm orientations below and from 5 and 16 rows, F.linear past SPLIT_MAX_ROWS).
-WARM_UP_TOKENS = (1, 2, 5, 16, SPLIT_MAX_ROWS + 1)
+# One prefill of each size reaches every branch of the layer code: 1 token (dynamo specializes
+# on it), then several; the larger sizes warm oneDNN's kernels for those row counts too.
+WARM_UP_TOKENS = (1, 2, 5, 16, 128)
 
 
 def compile_layers(model: LlamaModel) -> float:

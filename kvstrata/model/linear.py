@@ -1,18 +1,19 @@
-"""`linear(x, w)`: y = x @ w.T, split across CPU threads by hand for the few-row (decode) case.
+"""The float projections: `PackedLinear` (oneDNN, weights reordered once at load) on CPU,
+`DenseLinear` (`F.linear`) elsewhere. Both are called as `proj(x)`, x (M, in) -> (M, out).
 
-Why: on the 2-core AMD EPYC (AVX2) machine, MKL's sgemm behind `F.linear` does not use the second
-thread for small M: it reads weights at ~12 GB/s with 1 or 2 threads, while the memory system
-gives ~30 GB/s. Cutting the weight's rows into one slab per thread and running the slabs as one
-`bmm` (torch parallelises bmm over its batch) reaches ~22 GB/s. Measured on 283 MB of weights,
-2 threads (ms, F.linear -> split): M=1 23.6 -> 13.0, M=8 49 -> 31, M=32 93 -> 72,
-M=96 159 -> 126; from M=128 F.linear is faster again (188 vs 227), so larger batches keep it.
+Why pack. `F.linear` on CPU calls MKL's gemm on the plain (out, in) weight, which re-blocks the
+weight on every call and, for the few rows of a decode step, leaves the second thread idle.
+oneDNN's inner-product primitive takes the weight once in its own blocked layout
+(`mkldnn._reorder_linear_weight`, what inductor's CPU freezing pass does) and then reads it
+straight through. Measured on this project's 2-core AMD EPYC (AVX-512, BF16), 2 threads, one
+layer's projections plus the 49,152-row head, ms per pass (F.linear -> packed):
 
-    w (out, in) viewed as (P, out/P, in)          no copy
-    bmm(w, x.T expanded to (P, in, M))     ->  (P, out/P, M)  ->  (M, out)      most M
-    bmm(x expanded to (P, M, in), w.T)     ->  (P, M, out/P)  ->  (M, out)      5 <= M < 16
+    rows      1          16          128         512
+    fp32    7.8 -> 2.7  16.5 -> 3.9  48 -> 19   192 -> 94
+    bf16    2.2 -> 1.4   3.0 -> 2.2  10.4 -> 9.4  49 -> 47
 
-The two orientations hit different MKL kernels; the second is up to 1.8x faster for 5 <= M < 16
-and slower elsewhere.
+Results stay float32 sums (within ~3e-6 of float64 for fp32, as MKL's). The hint is the row
+count oneDNN tunes its blocking for; any row count works with it (16 and 64 measured alike).
 """
 
 from __future__ import annotations
@@ -23,30 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-SPLIT_MAX_ROWS = 127      # from M = 128 on, F.linear's own threading wins
-
-
-def split_parts(device: torch.device, dtype: torch.dtype, out_features: list[int]) -> int:
-    """Row slabs per matmul: one per CPU thread for float32 when every weight divides evenly, else 1
-    (CUDA needs no help; bfloat16 `bmm` on a CPU without native bf16 is far slower than F.linear)."""
-    parts = torch.get_num_threads() if device.type == "cpu" and dtype == torch.float32 else 1
-    return parts if parts > 1 and all(n % parts == 0 for n in out_features) else 1
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, parts: int = 1
-           ) -> torch.Tensor:
-    """x (M, in), w (out, in) -> (M, out), contiguous."""
-    m = x.shape[0]
-    if parts == 1 or m > SPLIT_MAX_ROWS:
-        return F.linear(x, w, bias)
-    out = w.shape[0]
-    slabs = w.view(parts, out // parts, -1)                                          # (P, out/P, in)
-    if 5 <= m < 16:
-        y = torch.bmm(x.expand(parts, -1, -1), slabs.transpose(1, 2)).transpose(0, 1)   # (M, P, out/P)
-    else:
-        y = torch.bmm(slabs, x.t().expand(parts, -1, -1)).permute(2, 0, 1)            # (M, P, out/P)
-    y = y.contiguous().view(m, out)          # a copy unless M == 1
-    return y if bias is None else y.add_(bias)
+PACK_ROWS_HINT = 16
 
 
 class Projection(Protocol):
@@ -62,16 +40,42 @@ class Projection(Protocol):
 
 @dataclass(frozen=True)
 class DenseLinear:
-    """A projection in the model dtype: y = x @ weight.T + bias through `linear`. The int8
-    counterpart is `kvstrata.model.int8.Int8Linear`; both are called as `proj(x)`."""
+    """A projection in the model dtype: y = x @ weight.T + bias. The int8 counterpart is
+    `kvstrata.model.int8.Int8Linear`."""
 
     weight: torch.Tensor           # (out, in)
     bias: torch.Tensor | None
-    parts: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.parts)
+        return F.linear(x, self.weight, self.bias)
 
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A float projection whose weight oneDNN holds in its own layout (an opaque tensor: no
+    `.weight` to read back, so whoever needs the float rows, e.g. int8 quantization, runs first)."""
+
+    packed: torch.Tensor           # mkldnn layout, logically (out, in)
+    bias: torch.Tensor | None
+    nbytes: int
+
+    @classmethod
+    def from_dense(cls, dense: DenseLinear) -> PackedLinear:
+        assert can_pack(dense.weight), "oneDNN packs float32 / bfloat16 CPU weights"
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense.weight, PACK_ROWS_HINT)
+        return cls(packed, dense.bias, dense.nbytes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `PackedLinear` can hold this weight: a float32 or bfloat16 CPU tensor, with a torch
+    built with oneDNN (bfloat16 also needs the CPU to have AVX-512, as oneDNN's bf16 kernels do)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())

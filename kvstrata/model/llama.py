@@ -9,8 +9,9 @@ device and replaced by the loaded tensors (`assign=True`), so weights are never 
 Q/K/V and gate/up are fused into single matmuls, which matters at decode where each matmul
 reads all its weights for a handful of rows.
 
-Once loaded, each projection is a callable `proj(x)` (`DenseLinear` in the model dtype);
-`kvstrata.model.quantize` swaps them for int8 ones and drops the float weights.
+Once loaded, each projection is a callable `proj(x)` (`DenseLinear` in the model dtype); then
+either `pack_projections` hands them to oneDNN (float models on CPU) or `kvstrata.model.quantize`
+swaps them for int8 ones; both drop the layers' float weights.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.attention import AttentionPlan, PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
-from kvstrata.model.linear import DenseLinear, Projection, split_parts
+from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
 from kvstrata.model.rope import RotaryTables, apply_rotary
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,11 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, parts: int) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
         super().__init__()
         e, i = arch.hidden_size, arch.intermediate_size
         qkv = arch.q_size + 2 * arch.kv_size
         self.arch = arch
-        self.parts = parts                  # row slabs per matmul, see kvstrata.model.linear
         self.input_norm = _param(e, dtype=dtype)
         self.qkv = _param(qkv, e, dtype=dtype)
         self.qkv_bias = _param(qkv, dtype=dtype) if arch.attention_bias else None
@@ -66,8 +66,7 @@ class DecoderLayer(nn.Module):
     def bind_projections(self) -> None:
         """Make the loaded weights callable as `self.projections[name](x)`."""
         biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
-        self.projections = {name: DenseLinear(getattr(self, name), bias, self.parts)
-                            for name, bias in biases.items()}
+        self.projections = {name: DenseLinear(getattr(self, name), bias) for name, bias in biases.items()}
 
     def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,10 +99,7 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device     # canonical: 'cuda' -> 'cuda:0'
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        outs = [arch.q_size + 2 * arch.kv_size, arch.hidden_size, 2 * arch.intermediate_size,
-                arch.vocab_size]
-        self.parts = split_parts(self.device, dtype, outs)     # see kvstrata.model.linear
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.parts) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dtype)
         self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size,
                                                                     dtype=dtype)
@@ -151,7 +147,18 @@ class LlamaModel(nn.Module):
             assert param.device == self.device, f"{name} on {param.device}"
         for layer in self.layers:
             layer.bind_projections()
-        self.head = DenseLinear(self.embed_tokens if self.lm_head is None else self.lm_head, None, self.parts)
+        self.head = DenseLinear(self.embed_tokens if self.lm_head is None else self.lm_head, None)
+
+    def pack_projections(self) -> None:
+        """Hand every projection and the head to oneDNN (`PackedLinear`) when it can take them, and
+        drop the layers' float weights (the head of a tied model packs a copy: the embeddings stay)."""
+        if not can_pack(self.embed_tokens):
+            return
+        for layer in self.layers:
+            layer.projections = {name: PackedLinear.from_dense(p) for name, p in layer.projections.items()}
+            layer.qkv = layer.o = layer.gate_up = layer.down = layer.qkv_bias = layer.o_bias = None
+        self.head = PackedLinear.from_dense(self.head)
+        self.lm_head = None
 
     def step_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every projection, the head and the norms (the

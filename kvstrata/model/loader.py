@@ -151,6 +151,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     loaded = _load_folder(folder, name, weight_ids, dtype, device, config.quantization)
     if config.compile:
         compile_layers(loaded.model)
+    elif config.quantization == "none":
+        loaded.model.pack_projections()      # dynamo cannot trace oneDNN's packed weights: not with --compile
     logger.info("loaded %s (%d layers, %s, quantization %s, %s) in %.2fs", name, loaded.arch.num_layers,
                 str(dtype).removeprefix("torch."), config.quantization, device, time.perf_counter() - start)
     return loaded

@@ -171,7 +171,7 @@ def smooth(model: LlamaModel, maxima: list[dict[str, torch.Tensor]], head_max: t
             layer.qkv_bias[v_rows].div_(s.reshape(-1))
     s = _smoothing(head_max, model.head.weight)
     model.norm.div_(s)
-    model.head = DenseLinear(model.head.weight * s, None, model.parts)    # a copy: a tied head is the embeddings
+    model.head = DenseLinear(model.head.weight * s, None)    # a copy: a tied head is the embeddings
 
 
 def int8_cache_path(cache_root: Path, fingerprint: str) -> Path:
