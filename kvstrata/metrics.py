@@ -84,7 +84,14 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("kvstrata_step_failures", "Engine steps that raised (their requests ended with "
                                   "an error, their blocks released)", value=engine.stats.step_failures)
         yield CounterMetricFamily("kvstrata_engine_steps", "Engine steps", value=engine.stats.steps)
-
+        seconds = CounterMetricFamily("kvstrata_engine_step_seconds", "Seconds engine steps took, by part "
+                                      "(schedule: scheduling and admission; model: the model and the sampler; "
+                                      "rest: bookkeeping, caching, detokenizing)", labels=["part"])
+        run = engine.stats
+        for part, value in (("schedule", run.schedule_seconds), ("model", run.model_seconds),
+                            ("rest", run.step_seconds - run.schedule_seconds - run.model_seconds)):
+            seconds.add_metric([part], value)
+        yield seconds
 
     def _vllm_style(self, engine: LLMEngine):
         """The figures vLLM dashboards chart, under kvstrata names, labelled with the model."""

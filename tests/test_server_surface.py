@@ -119,6 +119,9 @@ def test_metrics_vllm_dashboards_use(server):
     cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
     assert after[hits] - before[hits] == cached >= 64
     assert 0.0 <= after[f"kvstrata_kv_cache_usage_perc{{{label}}}"] <= 1.0
+    step = {part: after[f'kvstrata_engine_step_seconds_total{{part="{part}"}}'] - before.get(
+        f'kvstrata_engine_step_seconds_total{{part="{part}"}}', 0) for part in ("schedule", "model", "rest")}
+    assert step["model"] > 0 and step["schedule"] > 0 and step["rest"] >= 0, step
     assert "process_cpu_seconds_total" in httpx.get(f"{base}/metrics").text
 
 
