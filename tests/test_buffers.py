@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import resource
+import sys
+
 import pytest
 import torch
 
@@ -83,3 +86,30 @@ def test_gpu_to_pinned_host_copies_are_complete_before_the_cpu_reads_them():
         device.data.normal_()
         buffers.copy("device", "host", [(i, 63 - i) for i in range(64)])
         assert torch.equal(host.read_blocks(list(range(63, -1, -1))), device.read_blocks(list(range(64))).cpu())
+
+
+def _minor_faults_writing(cache: PagedKVCache) -> int:
+    """Page faults taken writing one value into every 4 KiB of the cache (its contents kept)."""
+    flat = cache.data.view(-1)
+    step = 4096 // flat.element_size()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    flat[::step] += 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_map_pages_faults_the_cache_in_ahead_and_keeps_its_contents():
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    num_blocks = (64 * 2**20) // spec.bytes_per_block                       # 64 MiB
+    fresh = PagedKVCache(spec, num_blocks)
+    assert _minor_faults_writing(fresh) > 0                                  # lazily zeroed: writes fault
+    cache = PagedKVCache(spec, num_blocks)
+    cache.data[1, 0, 1, 7].fill_(3.0)                                       # written before it is mapped
+    calls = 0
+    while cache.map_pages(8 * 2**20):
+        calls += 1
+    if calls == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert calls == -(-cache.nbytes // (8 * 2**20)) and not cache.map_pages(8 * 2**20)
+    assert _minor_faults_writing(cache) <= 2                                 # every page already mapped
+    assert (cache.data[1, 0, 1, 7] == 3.0).all() and int((cache.data != 0).sum()) == 16 * 64

@@ -20,7 +20,11 @@ see `KVCacheSpec.block_shape`.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import mmap
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,6 +77,8 @@ class PagedKVCache:
         self.device = self.data.device
         # Per-layer flat views, made once: (2, KVH, N * bs, D) for slot writes.
         self._slots = [self.data[i].view(2, h, num_blocks * bs, d) for i in range(l)]
+        # Bytes from the start not yet mapped by `map_pages` (lazily zeroed CPU memory only).
+        self._unmapped = self.nbytes if self.data.device.type == "cpu" and not pin_memory else 0
 
     @classmethod
     def blocks_for_budget(cls, spec: KVCacheSpec, budget_bytes: int) -> int:
@@ -90,6 +96,28 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    @property
+    def unmapped_bytes(self) -> int:
+        """Bytes at the end of the buffer `map_pages` has yet to map (0 for memory it cannot map)."""
+        return self._unmapped
+
+    def map_pages(self, max_bytes: int) -> bool:
+        """Map up to `max_bytes` more of the buffer's lazily zeroed pages, contents untouched; False
+        once all are mapped (or the OS cannot). Why: the first write to a fresh page costs a page
+        fault, and with transparent huge pages the first writes of a fresh cache map ~2 MiB per
+        block, ~2 ms per MiB here: seconds spread over the first requests a server answers. An idle
+        engine maps them ahead (see LLMEngine.map_kv_pages); safe while steps write the cache,
+        since MADV_POPULATE_WRITE only faults pages in."""
+        if self._unmapped <= 0:
+            return False
+        done = self.nbytes - self._unmapped
+        size = min(max_bytes, self._unmapped)
+        if not _populate_write(self.data.data_ptr() + done, size):
+            self._unmapped = 0
+            return False
+        self._unmapped -= size
+        return True
 
     def layer(self, layer: int) -> torch.Tensor:
         """(2, KVH, N, bs, D) view of one layer's K and V."""
@@ -129,6 +157,26 @@ class PagedKVCache:
                 raise ValueError(f"block data has {len(data)} bytes, expected {self.bytes_per_block}")
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.spec.dtype)
         self.write_blocks([block_id], data.reshape(1, *self.spec.block_shape))
+
+
+_MADV_POPULATE_WRITE = 23      # Linux 5.14+: fault pages in writable without changing them
+
+
+def _populate_write(address: int, nbytes: int) -> bool:
+    """madvise(MADV_POPULATE_WRITE) over [address, address + nbytes), widened to whole pages (the
+    pages belong to the same mapping); False where the OS lacks it (not Linux, an older kernel)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    page = mmap.PAGESIZE
+    start = address - address % page
+    return _libc().madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool) -> torch.Tensor:
