@@ -84,8 +84,10 @@ def run_serve(args: argparse.Namespace) -> int:
     faults = FaultInjector.from_env()
     if faults is not None:
         logging.getLogger("kvstrata").warning("%s is set: injecting faults %s", ENV_VAR, faults.every)
-    engine = LLMEngine(engine_config(args), faults=faults)
-    async_engine = AsyncLLMEngine(engine).start()
+    engine_settings = engine_config(args)
+    # Loaded on the engine thread, so one OpenMP team runs every step (see AsyncLLMEngine).
+    async_engine = AsyncLLMEngine(lambda: LLMEngine(engine_settings, faults=faults)).start()
+    engine = async_engine.engine
     name = server.served_model_name or engine.loaded.name
     app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins)
     # uvicorn stops accepting on SIGTERM/SIGINT, lets open requests run for shutdown_timeout seconds,

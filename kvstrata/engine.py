@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -341,21 +341,37 @@ class AsyncLLMEngine:
 
     `generate()` is an async iterator of outputs; leaving it early (a client disconnects, the task
     is cancelled) aborts the request, and the engine thread releases its blocks before its next step.
+
+    Give it a function that builds the engine, not a built engine, and the model loads on the
+    engine thread (`kvstrata serve` does). Why: OpenMP gives each thread that runs a parallel
+    region its own team of workers, and once the teams hold more threads than the machine has
+    CPUs, libgomp stops spin-waiting between regions: every parallel op then pays a futex wake-up.
+    Loading runs parallel regions; loaded on the main thread and stepped here, the served
+    shared-prefix workload's TPOT p50 was 26.6 ms, loaded here 19.8 ms (bf16, 2 threads, 2 cores).
+    The price of spinning: the engine wants its cores to itself (see the README).
     """
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]):
+        self._build = None if isinstance(engine, LLMEngine) else engine
+        self.engine: LLMEngine = engine if self._build is None else None    # else built by start()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._unfinished_samples: dict[str, int] = {}      # per stream: samples still running
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
+        self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.error: BaseException | None = None
 
     def start(self) -> AsyncLLMEngine:
+        """Start the engine thread; with a builder, return once it has built the engine (or raise what
+        building raised)."""
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="kvstrata-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        if self.engine is None:
+            raise self.error
         return self
 
     @property
@@ -401,6 +417,7 @@ class AsyncLLMEngine:
 
     def shutdown(self, timeout: float = 0.0) -> None:
         """Let running requests finish for up to `timeout` seconds, abort the rest, stop the thread."""
+        assert self._thread is not None, "shutdown() of an engine never started"
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
@@ -412,7 +429,15 @@ class AsyncLLMEngine:
         self.engine.close()
 
     # ---- the engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, built: threading.Event) -> None:
+        try:
+            if self.engine is None:
+                self.engine = self._build()
+        except BaseException as exc:           # raised again by start(), on the caller's thread
+            self.error = exc
+            return
+        finally:
+            built.set()
         try:
             while True:
                 self._drain_commands()

@@ -3,6 +3,7 @@ step is audited (make_engine sets audit_every_step)."""
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -164,3 +165,27 @@ def test_async_engine_reports_bad_requests_to_their_caller(make_engine):
         assert asyncio.run(main())[-1].finished
     finally:
         async_engine.shutdown()
+
+
+def test_async_engine_builds_its_engine_on_its_own_thread(make_engine):
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread().name)
+        return make_engine()
+
+    async_engine = AsyncLLMEngine(build).start()
+    try:
+        async def main():
+            return [o async for o in async_engine.generate("Hi", SamplingParams(max_tokens=2))]
+
+        assert asyncio.run(main())[-1].finished
+        assert built_on == ["kvstrata-engine"]
+    finally:
+        async_engine.shutdown()
+
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLMEngine(broken).start()
