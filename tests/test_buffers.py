@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import resource
 import sys
 
@@ -88,6 +90,16 @@ def test_gpu_to_pinned_host_copies_are_complete_before_the_cpu_reads_them():
         assert torch.equal(host.read_blocks(list(range(63, -1, -1))), device.read_blocks(list(range(64))).cpu())
 
 
+def _drop_pages(cache: PagedKVCache) -> None:
+    """Unmap the cache's whole pages (MADV_DONTNEED: they read as zeros again, the cache was zero)."""
+    page, start = mmap.PAGESIZE, cache.data.data_ptr()
+    first = -(-start // page) * page
+    last = (start + cache.nbytes) // page * page
+    libc = ctypes.CDLL(None)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.madvise(first, last - first, 4) == 0            # MADV_DONTNEED
+
+
 def _minor_faults_writing(cache: PagedKVCache) -> int:
     """Page faults taken writing one value into every 4 KiB of the cache (its contents kept)."""
     flat = cache.data.view(-1)
@@ -101,9 +113,10 @@ def _minor_faults_writing(cache: PagedKVCache) -> int:
 def test_map_pages_faults_the_cache_in_ahead_and_keeps_its_contents():
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
     num_blocks = (64 * 2**20) // spec.bytes_per_block                       # 64 MiB
-    fresh = PagedKVCache(spec, num_blocks)
+    fresh, cache = PagedKVCache(spec, num_blocks), PagedKVCache(spec, num_blocks)
+    for c in (fresh, cache):        # as a fresh mmap is (the allocator may hand out memory it had mapped)
+        _drop_pages(c)
     assert _minor_faults_writing(fresh) > 0                                  # lazily zeroed: writes fault
-    cache = PagedKVCache(spec, num_blocks)
     cache.data[1, 0, 1, 7].fill_(3.0)                                       # written before it is mapped
     calls = 0
     while cache.map_pages(8 * 2**20):
