@@ -4,6 +4,8 @@
 #
 #   BIN=.venv/bin  REDIS_PORT=6390  ENGINE_PORTS="8001 8002"  PORT=8000  POLICY=kv_aware
 #   ENGINE_ARGS="--host-cache-memory 1GiB"   (more `kvstrata serve` flags for both engines)
+#   THREADS=N   (torch threads per engine; default: this machine's cores shared out, at least 1, since an
+#               engine's threads spin between ops and engines sharing cores would stall each other)
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
 REDIS_PORT=${REDIS_PORT:-6390}
@@ -11,6 +13,8 @@ ENGINE_PORTS=${ENGINE_PORTS:-"8001 8002"}
 PORT=${PORT:-8000}
 POLICY=${POLICY:-kv_aware}
 ENGINE_ARGS=${ENGINE_ARGS:-"--host-cache-memory 1GiB"}
+num_engines=$(wc -w <<< "$ENGINE_PORTS")
+THREADS=${THREADS:-$(( $(nproc) / num_engines > 0 ? $(nproc) / num_engines : 1 ))}
 command -v redis-server >/dev/null || { echo "make fleet needs redis-server (apt-get install redis-server)" >&2; exit 2; }
 
 pids=()
@@ -28,7 +32,8 @@ pids+=($!)
 engines=()
 for port in $ENGINE_PORTS; do
     # shellcheck disable=SC2086  # ENGINE_ARGS is a list of flags
-    "$BIN/kvstrata" serve --port "$port" --store "redis://127.0.0.1:$REDIS_PORT/0" $ENGINE_ARGS --log-level WARNING &
+    "$BIN/kvstrata" serve --port "$port" --store "redis://127.0.0.1:$REDIS_PORT/0" --threads "$THREADS" $ENGINE_ARGS \
+        --log-level WARNING &
     pids+=($!)
     engines+=(--engine "http://127.0.0.1:$port")
 done
