@@ -7,6 +7,7 @@ engine is marked slow.
 
 import json
 import math
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +20,8 @@ from kvstrata.hashing import BlockHasher
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.prefix_groups import group_decodes
 from kvstrata.runner import ModelRunner
-from kvstrata.sim.stand_ins import NullMover
+from kvstrata.kvcache.tiers import PROBE_WAIT_S
+from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
 from kvstrata.sim.simulator import SimConfig, Simulator
 from kvstrata.sim.traces import TraceRequest, TraceTokens, shrink
 from kvstrata.sim.validation import (FittedOnError, ShapeRecorder, Slice, check_not_fitted_on, fault_in_kv,
@@ -196,6 +198,29 @@ def test_a_store_hit_pays_for_decoding_its_records():
     extra = paid.records[2].ttft - free.records[2].ttft
     assert paid.to_json()["transfers"]["loaded_blocks"]["store"] == 4
     assert extra >= 4e-3 - 1e-12 and extra == pytest.approx(round(extra / 1e-3) * 1e-3, abs=1e-12)
+
+
+# ---- store lookups the engine waits for ---------------------------------------------------------
+def test_a_lookup_within_the_engines_wait_is_answered_in_the_step_and_charged_to_it():
+    """The engine's plan() waits up to PROBE_WAIT_S for a store lookup, so a fast store answers in
+    the same step; a slower one defers the request. Loads and deletes are never waited for."""
+    clock, posted = VirtualClock(), []
+    clock.now = 7.0
+    store = SimStore()
+    store.put([(b"a", b"a")])
+
+    def run(latency: float) -> tuple[Future, float]:
+        executor = VirtualExecutor(clock, Link(latency, 1e9), 100, lambda at, done: posted.append((at, done)),
+                                   PROBE_WAIT_S)
+        return executor.submit(store.exists, [b"a", b"b"]), executor.take_waited()
+
+    fast, waited = run(1e-3)
+    assert fast.done() and fast.result() == [True, False] and waited == pytest.approx(1e-3) and not posted
+    slow, waited = run(PROBE_WAIT_S * 2)
+    assert not slow.done() and waited == 0.0 and posted[0][0] == pytest.approx(7.0 + PROBE_WAIT_S * 2)
+    executor = VirtualExecutor(clock, Link(1e-4, 1e9), 100, lambda at, done: posted.append((at, done)), PROBE_WAIT_S)
+    assert not executor.submit(store.get, [b"a"]).done() and not executor.submit(store.delete, [b"a"]).done()
+    assert executor.take_waited() == 0.0
 
 
 # ---- engines are timed warm ---------------------------------------------------------------------
