@@ -200,6 +200,14 @@ def test_a_store_hit_pays_for_decoding_its_records():
     assert extra >= 4e-3 - 1e-12 and extra == pytest.approx(round(extra / 1e-3) * 1e-3, abs=1e-12)
 
 
+def test_a_link_is_read_from_the_time_of_one_block_and_of_many():
+    from kvstrata.sim.calibrate import _link
+
+    truth, size = Link(1e-4, 2e9), 368_640
+    link = _link(truth.seconds(size), truth.seconds(32 * size), size)
+    assert (link.latency_s, link.bandwidth) == pytest.approx((truth.latency_s, truth.bandwidth))
+
+
 # ---- store lookups the engine waits for ---------------------------------------------------------
 def test_a_lookup_within_the_engines_wait_is_answered_in_the_step_and_charged_to_it():
     """The engine's plan() waits up to PROBE_WAIT_S for a store lookup, so a fast store answers in
