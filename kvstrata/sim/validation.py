@@ -430,7 +430,8 @@ def validate_level(trace: list[TraceRequest], config: SimConfig, cost: CostModel
                      "step_seconds": {"steps": len(run.steps), "engine": sum(t for _, t in run.steps),
                                       "profile": sum(cost.step_seconds(s) for s, _ in run.steps)},
                      "step_kinds": step_breakdown(run.steps, cost),
-                     "ttft_s": [r.ttft for r in run.records], "cached_tokens": [r.cached_tokens for r in run.records]})
+                     "ttft_s": [r.ttft for r in run.records], "tpot_s": [r.tpot for r in run.records],
+                     "cached_tokens": [r.cached_tokens for r in run.records]})
     rows = {}
     for name, got in sim_figures.items():
         wants = [r["figures"][name] for r in runs]
@@ -441,7 +442,7 @@ def validate_level(trace: list[TraceRequest], config: SimConfig, cost: CostModel
                       "error_mean": sum(known) / len(known) if known else None}
     return {"time_scale": time_scale, "figures": rows, "engine_runs": runs,
             "simulator": {**{k: sim_report[k] for k in ("preemptions", "steps", "transfers", "simulated_s")},
-                          "ttft_s": [r.ttft for r in result.records],
+                          "ttft_s": [r.ttft for r in result.records], "tpot_s": [r.tpot for r in result.records],
                           "cached_tokens": [r.cached_tokens for r in result.records]}}
 
 
