@@ -11,8 +11,9 @@ The real `TierManager` runs unchanged on top of them:
   and loads take virtual time and requests sit in LOADING, blocks IN_FLIGHT, as in the engine.
   A lookup the engine would have waited for (it ends within `PROBE_WAIT_S`) is answered at once
   and its wait accrues to the step, as the engine's plan() waits for it in the step: otherwise
-  every request that looks up the store lost a step to the simulator (measured: sessions near
-  capacity, TTFT p50 +12%).
+  every request that looks up the store lost a step to the simulator (the sessions slice past
+  capacity, one profile: TTFT p90 15.56 -> 14.90 s against the engine's 14.75, throughput 45.2 ->
+  46.2 tok/s against 46.4).
 """
 
 from __future__ import annotations
