@@ -54,9 +54,10 @@ class BatchShape(NamedTuple):
     Decode attention is its own work beside the gather: one query row per decode against every key
     of its segment (padded) and of its group's prefix (`decode_pairs`; a shared prefix is read once
     but attended by each member), in one batched call per segment and layer (`decode_segments`: a
-    decode step pays that fixed cost, a step of prefills alone does not). Without these two, one
-    decode's attention was priced as a gather of its keys plus a share of the step constant that
-    prefill steps set, and single-decode steps came out 4-11% low at long contexts.
+    decode step pays that fixed cost, a step of prefills alone does not). Before them a decode's
+    attention was priced only as a gather of its keys, and a roofline profile charged it no FLOPs;
+    refit on the same calibration steps of this CPU they move the fit by under 1% (its decode
+    attention is cheap beside the gather), but they keep it right where attention is not.
     Every prefill chunk also costs a fixed amount (its own SDPA call and plan in every layer).
     """
 
