@@ -43,7 +43,7 @@ def test_batch_shape_by_hand():
     shape = BatchShape.of([fresh, later], BS)
     assert shape == BatchShape(prefill_tokens=120, decode_seqs=0, kv_tokens_read=64, attention_pairs=5050,
                                masked_pairs=20 * 64, prefill_chunks=2, decode_groups=0, decode_pairs=0,
-                               decode_segments=0)
+                               decode_segments=0, lone_decode_pairs=0)
     shared = list(range(100, 140))                                # 40 blocks every decode holds
     grouped = [chunk(40 * BS + 3, 1, shared + [200 + i]) for i in range(3)]
     loose = [chunk(9, 1, [300]), chunk(29, 1, [301, 302])]         # 1 and 2 blocks: padded to 2 each
@@ -51,15 +51,19 @@ def test_batch_shape_by_hand():
     assert shape.decode_groups == 1 and shape.decode_seqs == 5 and shape.decode_segments == 2
     assert shape.kv_tokens_read == (40 + 3 * 1 + 2 * 2) * BS       # the prefix once, own blocks, padding
     assert shape.decode_pairs == (3 * 40 + 3 * 1 + 2 * 2) * BS     # but attended by each of the 3
+    assert shape.lone_decode_pairs == 0                            # 3 grouped, 2 batched
     one = BatchShape.of([chunk(100, 1, list(range(7)))], BS)
-    assert (one.kv_tokens_read, one.decode_pairs, one.decode_segments) == (7 * BS, 7 * BS, 1)
+    assert (one.kv_tokens_read, one.decode_pairs, one.decode_segments, one.lone_decode_pairs) == (7 * BS, 7 * BS, 1,
+                                                                                                   7 * BS)
+    left = BatchShape.of(grouped + loose[:1], BS)                  # one decode outside the group: alone
+    assert left.decode_segments == 2 and left.lone_decode_pairs == 1 * BS
     assert BatchShape.alone(100, 1, BS) == one and BatchShape.alone(40, 20, BS) == BatchShape.of([later], BS)
 
 
 def _planned(chunks: list[SimpleNamespace]) -> tuple[int, int, int]:
     """Blocks PagedAttention gathers for these chunks, planned exactly as the runner plans a step;
     blocks its decode attention covers (each row's own segment, each group's prefix per member);
-    its batched decode segments."""
+    its batched decode segments; blocks attended by segments of one decode."""
     decodes = [c for c in chunks if c.num_tokens == 1]
     order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes], BS)
     ordered = [decodes[i] for i in order] + [c for c in chunks if c.num_tokens != 1]
@@ -70,7 +74,8 @@ def _planned(chunks: list[SimpleNamespace]) -> tuple[int, int, int]:
     rows = 0 if plan.decode_rows is None else plan.decode_rows.shape[0]
     rows += sum(p.rows.shape[0] for p in plan.prefills if p.rows is not None)
     attended = sum((seg.end - seg.start) * seg.blocks for seg in plan.own + plan.prefixes)
-    return rows // planes, attended, len(plan.own)
+    lone = sum(seg.blocks for seg in plan.own if seg.end - seg.start == 1)
+    return rows // planes, attended, len(plan.own), lone
 
 
 @pytest.mark.parametrize("case", ["shared", "distinct", "mixed", "small-shared"])
@@ -87,9 +92,9 @@ def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case):
                   + [chunk(70, 1, [700, 701, 702, 703, 704])]
                   + [chunk(0, 50, [800, 801, 802, 803]), chunk(33, 64, [900 + i for i in range(7)])])
     shape = BatchShape.of(chunks, BS)
-    gathered, attended, segments = _planned(chunks)
-    assert (shape.kv_tokens_read, shape.decode_pairs, shape.decode_segments) == (gathered * BS, attended * BS,
-                                                                                 segments)
+    gathered, attended, segments, lone = _planned(chunks)
+    assert (shape.kv_tokens_read, shape.decode_pairs, shape.decode_segments, shape.lone_decode_pairs) == (
+        gathered * BS, attended * BS, segments, lone * BS)
 
 
 # ---- shrunk traces and slices -------------------------------------------------------------------
@@ -132,7 +137,7 @@ def test_sessions_slice_config_has_every_tier():
 # ---- what a profile was fitted on ---------------------------------------------------------------
 def _profile(fitted_on=()) -> CostModel:
     return CostModel(source="test", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.0, 1e12),
-                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), fitted_on=tuple(fitted_on))
+                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), fitted_on=tuple(fitted_on))
 
 
 def _trace(path: Path, n: int = 30) -> Path:
@@ -191,7 +196,7 @@ def test_a_store_hit_pays_for_decoding_its_records():
 
     def run(record_link):
         cost = CostModel(source="t", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.5, 1e12),
-                         compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=record_link)
+                         compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=record_link)
         return Simulator(trace, config, cost).run()
 
     free, paid = run(None), run(Link(1e-3, 1e30))
