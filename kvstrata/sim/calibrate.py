@@ -2,7 +2,8 @@
 
 `calibrate` runs the real `LLMEngine` over a grid of batch shapes and times whole steps:
 
-    prefill   a chunk of n new tokens after a cached prefix of s tokens    (n x s grid)
+    prefill   a chunk of n new tokens after a cached prefix of s tokens    (n x s grid; s = 32: a
+              first turn after a shared system prompt)
     burst     k prompts of n tokens arriving together: k prefill chunks in one step
     decode    B requests decoding at context c, sharing all but their last block (cascade groups)
               and with nothing shared (each reads its own blocks)
@@ -47,7 +48,8 @@ from kvstrata.sim.validation import (BLOCK_SIZE, CLOCKS, MAX_CHUNK, SLICES, Shap
 
 logger = logging.getLogger(__name__)
 
-PREFILL_GRID = {0: (16, 128, 512, 1024), 512: (128, 512), 1024: (16, 256, 512), 2048: (64, 256)}   # prefix -> chunks
+# prefix -> chunks; a short prefix with long chunks is a chat's first turn after a shared system prompt
+PREFILL_GRID = {0: (16, 128, 512, 1024), 32: (384, 992), 512: (128, 512), 1024: (16, 256, 512), 2048: (64, 256)}
 BURSTS = ((2, 256), (4, 64), (8, 16), (8, 96))                                    # (prompts, tokens each)
 DECODE_GRID = {64: (1, 2, 4, 8, 16, 32), 512: (1, 2, 4, 8), 1024: (1, 2, 4)}       # context -> batch sizes
 DISTINCT_DECODES = {256: (4, 16), 1024: (4, 8)}      # context -> batch sizes, no prefix shared
