@@ -7,9 +7,11 @@ engine is marked slow.
 
 import json
 import math
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,11 +20,12 @@ from kvstrata.hashing import BlockHasher
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.prefix_groups import group_decodes
 from kvstrata.runner import ModelRunner
-from kvstrata.sim.stand_ins import NullMover
+from kvstrata.kvcache.tiers import PROBE_WAIT_S
+from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
 from kvstrata.sim.simulator import SimConfig, Simulator
 from kvstrata.sim.traces import TraceRequest, TraceTokens, shrink
-from kvstrata.sim.validation import (FittedOnError, Slice, check_not_fitted_on, session_lines, slice_identity,
-                                 spread_ties)
+from kvstrata.sim.validation import (FittedOnError, ShapeRecorder, Slice, check_not_fitted_on, fault_in_kv,
+                                     session_lines, slice_identity, spread_ties)
 
 BS = 16
 
@@ -39,17 +42,28 @@ def test_batch_shape_by_hand():
     later = chunk(40, 20, list(range(10, 14)))                   # keys 0..59: 4 blocks, padded to 64
     shape = BatchShape.of([fresh, later], BS)
     assert shape == BatchShape(prefill_tokens=120, decode_seqs=0, kv_tokens_read=64, attention_pairs=5050,
-                               masked_pairs=20 * 64, prefill_chunks=2, decode_groups=0)
+                               masked_pairs=20 * 64, prefill_chunks=2, decode_groups=0, decode_pairs=0,
+                               decode_segments=0, lone_decode_pairs=0)
     shared = list(range(100, 140))                                # 40 blocks every decode holds
     grouped = [chunk(40 * BS + 3, 1, shared + [200 + i]) for i in range(3)]
     loose = [chunk(9, 1, [300]), chunk(29, 1, [301, 302])]         # 1 and 2 blocks: padded to 2 each
     shape = BatchShape.of(grouped + loose, BS)
-    assert shape.decode_groups == 1 and shape.decode_seqs == 5
+    assert shape.decode_groups == 1 and shape.decode_seqs == 5 and shape.decode_segments == 2
     assert shape.kv_tokens_read == (40 + 3 * 1 + 2 * 2) * BS       # the prefix once, own blocks, padding
+    assert shape.decode_pairs == (3 * 40 + 3 * 1 + 2 * 2) * BS     # but attended by each of the 3
+    assert shape.lone_decode_pairs == 0                            # 3 grouped, 2 batched
+    one = BatchShape.of([chunk(100, 1, list(range(7)))], BS)
+    assert (one.kv_tokens_read, one.decode_pairs, one.decode_segments, one.lone_decode_pairs) == (7 * BS, 7 * BS, 1,
+                                                                                                   7 * BS)
+    left = BatchShape.of(grouped + loose[:1], BS)                  # one decode outside the group: alone
+    assert left.decode_segments == 2 and left.lone_decode_pairs == 1 * BS
+    assert BatchShape.alone(100, 1, BS) == one and BatchShape.alone(40, 20, BS) == BatchShape.of([later], BS)
 
 
-def _gathered_blocks(chunks: list[SimpleNamespace]) -> int:
-    """Blocks PagedAttention gathers for these chunks, planned exactly as the runner plans a step."""
+def _planned(chunks: list[SimpleNamespace]) -> tuple[int, int, int]:
+    """Blocks PagedAttention gathers for these chunks, planned exactly as the runner plans a step;
+    blocks its decode attention covers (each row's own segment, each group's prefix per member);
+    its batched decode segments; blocks attended by segments of one decode."""
     decodes = [c for c in chunks if c.num_tokens == 1]
     order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes], BS)
     ordered = [decodes[i] for i in order] + [c for c in chunks if c.num_tokens != 1]
@@ -59,11 +73,13 @@ def _gathered_blocks(chunks: list[SimpleNamespace]) -> int:
     planes = 2 * 3
     rows = 0 if plan.decode_rows is None else plan.decode_rows.shape[0]
     rows += sum(p.rows.shape[0] for p in plan.prefills if p.rows is not None)
-    return rows // planes
+    attended = sum((seg.end - seg.start) * seg.blocks for seg in plan.own + plan.prefixes)
+    lone = sum(seg.blocks for seg in plan.own if seg.end - seg.start == 1)
+    return rows // planes, attended, len(plan.own), lone
 
 
 @pytest.mark.parametrize("case", ["shared", "distinct", "mixed", "small-shared"])
-def test_batch_shape_reads_what_paged_attention_gathers(case):
+def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case):
     shared = list(range(500, 540))
     if case == "shared":
         chunks = [chunk(40 * BS + i, 1, shared + [600 + i]) for i in range(6)]
@@ -75,7 +91,10 @@ def test_batch_shape_reads_what_paged_attention_gathers(case):
         chunks = ([chunk(40 * BS + i, 1, shared + [600 + i]) for i in range(4)]
                   + [chunk(70, 1, [700, 701, 702, 703, 704])]
                   + [chunk(0, 50, [800, 801, 802, 803]), chunk(33, 64, [900 + i for i in range(7)])])
-    assert BatchShape.of(chunks, BS).kv_tokens_read == _gathered_blocks(chunks) * BS
+    shape = BatchShape.of(chunks, BS)
+    gathered, attended, segments, lone = _planned(chunks)
+    assert (shape.kv_tokens_read, shape.decode_pairs, shape.decode_segments, shape.lone_decode_pairs) == (
+        gathered * BS, attended * BS, segments, lone * BS)
 
 
 # ---- shrunk traces and slices -------------------------------------------------------------------
@@ -118,7 +137,7 @@ def test_sessions_slice_config_has_every_tier():
 # ---- what a profile was fitted on ---------------------------------------------------------------
 def _profile(fitted_on=()) -> CostModel:
     return CostModel(source="test", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.0, 1e12),
-                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0), fitted_on=tuple(fitted_on))
+                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), fitted_on=tuple(fitted_on))
 
 
 def _trace(path: Path, n: int = 30) -> Path:
@@ -177,13 +196,63 @@ def test_a_store_hit_pays_for_decoding_its_records():
 
     def run(record_link):
         cost = CostModel(source="t", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.5, 1e12),
-                         compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=record_link)
+                         compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=record_link)
         return Simulator(trace, config, cost).run()
 
     free, paid = run(None), run(Link(1e-3, 1e30))
     extra = paid.records[2].ttft - free.records[2].ttft
     assert paid.to_json()["transfers"]["loaded_blocks"]["store"] == 4
     assert extra >= 4e-3 - 1e-12 and extra == pytest.approx(round(extra / 1e-3) * 1e-3, abs=1e-12)
+
+
+def test_a_link_is_read_from_the_time_of_one_block_and_of_many():
+    from kvstrata.sim.calibrate import _link
+
+    truth, size = Link(1e-4, 2e9), 368_640
+    link = _link(truth.seconds(size), truth.seconds(32 * size), size)
+    assert (link.latency_s, link.bandwidth) == pytest.approx((truth.latency_s, truth.bandwidth))
+
+
+# ---- store lookups the engine waits for ---------------------------------------------------------
+def test_a_lookup_within_the_engines_wait_is_answered_in_the_step_and_charged_to_it():
+    """The engine's plan() waits up to PROBE_WAIT_S for a store lookup, so a fast store answers in
+    the same step; a slower one defers the request. Loads and deletes are never waited for."""
+    clock, posted = VirtualClock(), []
+    clock.now = 7.0
+    store = SimStore()
+    store.put([(b"a", b"a")])
+
+    def run(latency: float) -> tuple[Future, float]:
+        executor = VirtualExecutor(clock, Link(latency, 1e9), 100, lambda at, done: posted.append((at, done)),
+                                   PROBE_WAIT_S)
+        return executor.submit(store.exists, [b"a", b"b"]), executor.take_waited()
+
+    fast, waited = run(1e-3)
+    assert fast.done() and fast.result() == [True, False] and waited == pytest.approx(1e-3) and not posted
+    slow, waited = run(PROBE_WAIT_S * 2)
+    assert not slow.done() and waited == 0.0 and posted[0][0] == pytest.approx(7.0 + PROBE_WAIT_S * 2)
+    executor = VirtualExecutor(clock, Link(1e-4, 1e9), 100, lambda at, done: posted.append((at, done)), PROBE_WAIT_S)
+    assert not executor.submit(store.get, [b"a"]).done() and not executor.submit(store.delete, [b"a"]).done()
+    assert executor.take_waited() == 0.0
+
+
+# ---- engines are timed warm ---------------------------------------------------------------------
+def _resident_bytes() -> int:
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc")
+def test_fault_in_kv_maps_every_tier_through_the_shape_recorder_and_keeps_the_zeros():
+    """KV buffers come from calloc: untouched pages are not resident until the first write, which
+    would land in the first timed step. fault_in_kv maps them (and writes nothing but zeros)."""
+    size = 64 << 20
+    caches = {tier: SimpleNamespace(data=torch.from_numpy(np.zeros(size, dtype=np.uint8))) for tier in ("device", "host")}
+    engine = SimpleNamespace(runner=ShapeRecorder(SimpleNamespace(buffers=SimpleNamespace(caches=caches))))
+    before = _resident_bytes()
+    fault_in_kv(engine)
+    assert _resident_bytes() - before > 1.5 * size
+    assert all(int(cache.data.count_nonzero()) == 0 for cache in caches.values())
 
 
 # ---- end to end on the real engine (slow) -------------------------------------------------------

@@ -181,12 +181,15 @@ class PendingFork:
     block: Block | None
 
 
+PROBE_WAIT_S = 0.005          # how long plan() waits for a store lookup before deferring the request
+
+
 class TierManager:
     """Owns the tiers' pools, every request's block table and every transfer record."""
 
     def __init__(self, config: CacheConfig, num_device_blocks: int, num_host_blocks: int = 0,
                  store=None, mover: BlockMover | None = None, executor: Executor | None = None,
-                 clock: Callable[[], float] = time.monotonic, probe_wait: float = 0.005):
+                 clock: Callable[[], float] = time.monotonic, probe_wait: float = PROBE_WAIT_S):
         self.config = config
         self.block_size = config.block_size
         self.device = BlockPool(num_device_blocks, "device")

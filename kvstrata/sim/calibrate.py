@@ -2,7 +2,8 @@
 
 `calibrate` runs the real `LLMEngine` over a grid of batch shapes and times whole steps:
 
-    prefill   a chunk of n new tokens after a cached prefix of s tokens    (n x s grid)
+    prefill   a chunk of n new tokens after a cached prefix of s tokens    (n x s grid; s = 32: a
+              first turn after a shared system prompt)
     burst     k prompts of n tokens arriving together: k prefill chunks in one step
     decode    B requests decoding at context c, sharing all but their last block (cascade groups)
               and with nothing shared (each reads its own blocks)
@@ -10,7 +11,8 @@
 
 then fits `compute` by non-negative least squares on relative error (cost_model.fit). Prompts are
 fresh for every run of the grid, so each repeat has the same shapes; each step keeps its median.
-It also times encoding and decoding a block's store record (`record_link`). With `--trace` it
+It also times the engine's device -> host copies (`host_link`), encoding and decoding a block's
+store record (`record_link`) and reading blocks back from a disk store (`store_link`). With `--trace` it
 replays trace slices on the engine too and fits their steps as well; the profile's `fitted_on`
 names the grid and every such slice, and `simulate --validate` refuses those slices.
 
@@ -26,15 +28,19 @@ import json
 import logging
 import os
 import platform
+import itertools
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvstrata.config import EngineConfig
+from kvstrata.kvcache.storage import DiskStore
 from kvstrata.sim.cost_model import BatchShape, CostModel, Link, fit, relative_errors
 from kvstrata.request import SamplingParams
 from kvstrata.sim.validation import (BLOCK_SIZE, CLOCKS, MAX_CHUNK, SLICES, ShapeRecorder, loadavg, replay_on_engine,
@@ -42,13 +48,13 @@ from kvstrata.sim.validation import (BLOCK_SIZE, CLOCKS, MAX_CHUNK, SLICES, Shap
 
 logger = logging.getLogger(__name__)
 
-PREFILL_GRID = {0: (16, 128, 512, 1024), 512: (128, 512), 1024: (16, 256, 512), 2048: (64, 256)}   # prefix -> chunks
+# prefix -> chunks; a short prefix with long chunks is a chat's first turn after a shared system prompt
+PREFILL_GRID = {0: (16, 128, 512, 1024), 32: (384, 992), 512: (128, 512), 1024: (16, 256, 512), 2048: (64, 256)}
 BURSTS = ((2, 256), (4, 64), (8, 16), (8, 96))                                    # (prompts, tokens each)
 DECODE_GRID = {64: (1, 2, 4, 8, 16, 32), 512: (1, 2, 4, 8), 1024: (1, 2, 4)}       # context -> batch sizes
 DISTINCT_DECODES = {256: (4, 16), 1024: (4, 8)}      # context -> batch sizes, no prefix shared
 DECODE_STEPS = 6
 MIXED = ((8, 512, 512), (16, 64, 256))                                            # (batch, context, prefill)
-STORE_LINK = Link(100e-6, 1e9)          # assumed, not measured: a local SSD behind the disk store
 CLOCK_NAMES = {"cpu": "engine-thread CPU time", "wall": "wall time"}
 
 
@@ -115,29 +121,70 @@ def _grid_run(engine, recorder: ShapeRecorder, timer: Callable[[], float],
     return points
 
 
-def _transfer_links(runner, timer: Callable[[], float], repeat: int = 5) -> tuple[Link, Link]:
-    """The engine's own device -> host block copies (one block, then 32: latency and bandwidth) and
-    the time to encode and decode one block's store record (a bandwidth over the block's bytes)."""
-    buffers = runner.buffers
-    block_bytes = runner.spec.bytes_per_block
+def _best(action: Callable[[], object], timer: Callable[[], float], repeat: int = 5) -> float:
+    times = []
+    for _ in range(repeat):
+        started = timer()
+        action()
+        times.append(timer() - started)
+    return min(times)
 
-    def best(action: Callable[[], object]) -> float:
-        times = []
-        for _ in range(repeat):
-            started = timer()
-            action()
-            times.append(timer() - started)
-        return min(times)
 
-    one = best(lambda: buffers.copy("device", "host", [(0, 0)]))
-    many = best(lambda: buffers.copy("device", "host", [(i, i) for i in range(32)]))
-    bandwidth = 31 * block_bytes / max(many - one, 1e-9)
-    host = Link(latency_s=max(0.0, one - block_bytes / bandwidth), bandwidth=bandwidth)
+def _link(one: float, many: float, block_bytes: int, blocks: int = 32) -> Link:
+    """A link from the time to move one block and `blocks` blocks: latency and bandwidth."""
+    bandwidth = (blocks - 1) * block_bytes / max(many - one, 1e-9)
+    return Link(latency_s=max(0.0, one - block_bytes / bandwidth), bandwidth=bandwidth)
+
+
+def _transfer_links(engine, timer: Callable[[], float]) -> tuple[Link, Link, Link]:
+    """The engine's own device -> host block copies (one block, then 32: latency and bandwidth);
+    the time to encode and decode one block's store record (a bandwidth over the block's bytes);
+    a disk store's loads of such records while the engine steps (`_store_link`)."""
+    buffers = engine.runner.buffers
+    block_bytes = engine.runner.spec.bytes_per_block
+    one = _best(lambda: buffers.copy("device", "host", [(0, 0)]), timer)
+    many = _best(lambda: buffers.copy("device", "host", [(i, i) for i in range(32)]), timer)
     tokens = list(range(BLOCK_SIZE))
     record = buffers.encode("device", 0, b"\0" * 16, tokens)
-    encode = best(lambda: buffers.encode("device", 0, b"\0" * 16, tokens))
-    decode = best(lambda: buffers.decode_into("device", 1, record, b"\0" * 16, tokens))
-    return host, Link(latency_s=0.0, bandwidth=block_bytes / ((encode + decode) / 2))
+    encode = _best(lambda: buffers.encode("device", 0, b"\0" * 16, tokens), timer)
+    decode = _best(lambda: buffers.decode_into("device", 1, record, b"\0" * 16, tokens), timer)
+    store = _store_link(record, lambda: _decode_step(engine))
+    while engine.has_work:              # what comes next (the speed probe) finds the engine idle
+        engine.step()
+    return _link(one, many, block_bytes), Link(latency_s=0.0, bandwidth=block_bytes / ((encode + decode) / 2)), store
+
+
+def _decode_step(engine) -> None:
+    if not engine.has_work:
+        engine.add_request(list(range(1, 65)), SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))
+    engine.step()
+
+
+def _store_link(record: bytes, busy: Callable[[], None], repeat: int = 5) -> Link:
+    """A disk store's loads: records just written, read back on a store thread while `busy` runs
+    the engine's step loop (as a load runs), one then 32, the median of `repeat`, in wall time.
+    Measured here: 0.4-0.8 ms + 7-12 GB/s; the loads inside a validation replay averaged 1.3-1.7
+    GB/s (they share the store's threads with its writes, 0.3 ms a block), so this link is
+    optimistic for a store that is also writing."""
+    with tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-") as folder, ThreadPoolExecutor(1) as thread:
+        store = DiskStore(folder, 1024 * len(record))
+        fresh = (i.to_bytes(16, "big") for i in itertools.count())
+
+        def read(keys: list[bytes]) -> float:
+            store.get(keys)
+            return time.perf_counter()
+
+        def load(blocks: int) -> float:
+            keys = [next(fresh) for _ in range(blocks)]
+            store.put([(key, record) for key in keys])
+            started = time.perf_counter()
+            done = thread.submit(read, keys)
+            while not done.done():
+                busy()
+            return done.result() - started
+
+        one, many = (statistics.median(load(blocks) for _ in range(repeat)) for blocks in (1, 32))
+        return _link(one, many, len(record))
 
 
 def machine_name() -> str:
@@ -190,7 +237,7 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
         raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
     seconds = [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
     spec = recorder.runner.spec
-    host_link, record_link = _transfer_links(recorder.runner, CLOCKS[clock])
+    host_link, record_link, store_link = _transfer_links(engine, CLOCKS[clock])
     probe = speed_probe(engine, CLOCKS[clock])
     fitted_on = [{"kind": "grid", "steps": len(shapes), "repeat": repeat, "probe_s": round(probe, 6),
                   "loadavg": loadavg(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -198,11 +245,11 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
                   "decode": {str(k): v for k, v in DECODE_GRID.items()},
                   "distinct_decodes": {str(k): v for k, v in DISTINCT_DECODES.items()}, "mixed": MIXED}]
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
-                   store_link=STORE_LINK, record_link=record_link,
+                   store_link=store_link, record_link=record_link,
                    source=(f"calibrated on {machine or machine_name()}, {datetime.date.today().isoformat()}, model "
                            f"{engine.loaded.name} ({engine.loaded.dtype}, {threads or 'default'} threads), "
                            f"{len(shapes)} grid steps x {repeat} runs{' + trace slices ' + ','.join(slices) if slices else ''}"
-                           f" timed by {CLOCK_NAMES[clock]}; store link assumed"))
+                           f" timed by {CLOCK_NAMES[clock]}; store link: a disk store in {tempfile.gettempdir()}"))
     loaded = engine.loaded
     engine.close()
     for name in slices:

@@ -2,7 +2,7 @@
 
     step_seconds = overhead_s + max(compute . x, memory . x)
     x = (1, prefill_tokens, decode_seqs, kv_tokens_read, attention_pairs, masked_pairs, prefill_chunks,
-         decode_groups)                                                              (BatchShape)
+         decode_groups, decode_pairs, decode_segments, lone_decode_pairs)            (BatchShape)
 
 Two sources of coefficients, and every profile says which in `source`:
 - *calibrated*: a non-negative least-squares fit of the real engine's step times over a grid of
@@ -37,7 +37,7 @@ from kvstrata.model.prefix_groups import group_decodes
 logger = logging.getLogger(__name__)
 
 FEATURES = ("step", "prefill_tokens", "decode_seqs", "kv_tokens_read", "attention_pairs", "masked_pairs",
-            "prefill_chunks", "decode_groups")
+            "prefill_chunks", "decode_groups", "decode_pairs", "decode_segments", "lone_decode_pairs")
 
 
 class BatchShape(NamedTuple):
@@ -51,6 +51,19 @@ class BatchShape(NamedTuple):
     - decodes read their blocks in segments padded to the longest member, and a group of decodes
       sharing prefix blocks (cascade attention, `group_decodes`) reads that prefix once, at a
       fixed cost per group (its attention is written out, not one SDPA, plus a merge, every layer).
+    Decode attention is its own work beside the gather: one query row per decode against every key
+    of its segment (padded) and of its group's prefix (`decode_pairs`; a shared prefix is read once
+    but attended by each member), in one batched call per segment and layer (`decode_segments`: a
+    decode step pays that fixed cost, a step of prefills alone does not). Before them a decode's
+    attention was priced only as a gather of its keys, and a roofline profile charged it no FLOPs;
+    refit on the same calibration steps of this CPU they move the fit by under 1% (its decode
+    attention is cheap beside the gather), but they keep it right where attention is not.
+    A decode alone in its segment (one query row in the call: a batch of one, or the one decode
+    left out of every group) attends each key at a higher price than a batched row does
+    (`lone_decode_pairs`; measured here 5.1 us per key against 4.4 in batches of 2-4): in one
+    quiet calibration single decodes fit 3.0% and 6.1% low at 1,040 and 2,064 tokens without it,
+    +1.2% and +1.4% with it; in the next, within its noise either way. A request decoding alone
+    is what TPOT at light load measures.
     Every prefill chunk also costs a fixed amount (its own SDPA call and plan in every layer).
     """
 
@@ -62,6 +75,9 @@ class BatchShape(NamedTuple):
     masked_pairs: int = 0         # query-key pairs of chunks that continue one (masked, padded to blocks)
     prefill_chunks: int = 0
     decode_groups: int = 0        # cascade groups of decodes sharing a prefix
+    decode_pairs: int = 0         # query-key pairs of decode attention: padded segments, each group's prefix per member
+    decode_segments: int = 0      # batched decode attention calls per layer: grouped decodes, the others
+    lone_decode_pairs: int = 0    # of decode_pairs, those of a segment of one decode
 
     @classmethod
     def of(cls, chunks: Iterable, block_size: int) -> BatchShape:
@@ -81,35 +97,61 @@ class BatchShape(NamedTuple):
                 keys = -(-(start + n) // block_size) * block_size
                 kv += keys
                 masked += n * keys
-        reads, groups = _decode_reads(decodes, block_size)
-        return cls(prefill, len(decodes), kv + reads, fresh, masked, count, groups)
+        work = _decode_work(decodes, block_size)
+        return cls(prefill, len(decodes), kv + work.reads, fresh, masked, count, work.groups, work.pairs,
+                   work.segments, work.lone_pairs)
+
+    @classmethod
+    def alone(cls, start: int, n: int, block_size: int) -> BatchShape:
+        """The shape of a step that runs one chunk of n tokens from position `start` and nothing else."""
+        return cls.of([_Chunk(start, range(n), ())], block_size)
 
     def features(self) -> tuple[float, ...]:
         return (1.0, *self)
 
 
-def _decode_reads(decodes: Sequence, block_size: int) -> tuple[int, int]:
-    """KV tokens the decodes gather (each segment padded to its longest member, shared prefixes
-    once) and the number of cascade groups, as the runner forms them."""
+class _Chunk(NamedTuple):
+    """What BatchShape.of reads of a `ScheduledChunk`."""
+
+    start: int
+    token_ids: Sequence[int]
+    block_ids: Sequence[int]
+
+
+class _DecodeWork(NamedTuple):
+    reads: int          # KV tokens gathered
+    groups: int
+    pairs: int
+    segments: int
+    lone_pairs: int     # pairs of segments of one decode
+
+
+def _decode_work(decodes: Sequence, block_size: int) -> _DecodeWork:
+    """What the decodes cost as the runner forms them: KV tokens gathered (each segment padded to
+    its longest member, shared prefixes once), cascade groups, query-key pairs attended (each
+    prefix once per member) and batched attention segments."""
     if not decodes:
-        return 0, 0
+        return _DecodeWork(0, 0, 0, 0, 0)
     seq_lens = [d.start + 1 for d in decodes]
     blocks = [-(-n // block_size) for n in seq_lens]
     if len(decodes) < 2:
-        return blocks[0] * block_size, 0
+        return _DecodeWork(blocks[0] * block_size, 0, blocks[0] * block_size, 1, blocks[0] * block_size)
     order, groups = group_decodes([d.block_ids for d in decodes], seq_lens, block_size)
     grouped = groups[-1].end if groups else 0
     own = [0] * len(decodes)                     # blocks each row reads itself, in batch order
-    shared = 0
+    shared = shared_pairs = 0
     for group in groups:
         shared += group.prefix_blocks
+        shared_pairs += (group.end - group.start) * group.prefix_blocks
         for row in range(group.start, group.end):
             own[row] = blocks[order[row]] - group.prefix_blocks
     for row in range(grouped, len(decodes)):
         own[row] = blocks[order[row]]
-    padded = sum((end - start) * max(own[start:end]) for start, end in ((0, grouped), (grouped, len(decodes)))
-                 if end > start)
-    return (padded + shared) * block_size, len(groups)
+    segments = [(start, end) for start, end in ((0, grouped), (grouped, len(decodes))) if end > start]
+    padded = sum((end - start) * max(own[start:end]) for start, end in segments)
+    lone = sum(own[start] for start, end in segments if end - start == 1)
+    return _DecodeWork((padded + shared) * block_size, len(groups), (padded + shared_pairs) * block_size,
+                       len(segments), lone * block_size)
 
 
 @dataclass(frozen=True)
@@ -144,12 +186,14 @@ class CostModel:
 
     def step_seconds(self, shape: BatchShape) -> float:
         """Unrolled: the simulator asks once per step, millions of times per trace."""
-        c0, c1, c2, c3, c4, c5, c6, c7 = self.compute
-        m0, m1, m2, m3, m4, m5, m6, m7 = self.memory
-        p, d, kv, pairs, masked, chunks, groups = shape
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10 = self.compute
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10 = self.memory
+        p, d, kv, pairs, masked, chunks, groups, dpairs, segments, lone = shape
         return self.overhead_s + max(
-            c0 + c1 * p + c2 * d + c3 * kv + c4 * pairs + c5 * masked + c6 * chunks + c7 * groups,
-            m0 + m1 * p + m2 * d + m3 * kv + m4 * pairs + m5 * masked + m6 * chunks + m7 * groups)
+            c0 + c1 * p + c2 * d + c3 * kv + c4 * pairs + c5 * masked + c6 * chunks + c7 * groups + c8 * dpairs
+            + c9 * segments + c10 * lone,
+            m0 + m1 * p + m2 * d + m3 * kv + m4 * pairs + m5 * masked + m6 * chunks + m7 * groups + m8 * dpairs
+            + m9 * segments + m10 * lone)
 
     def block_bytes(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
@@ -296,8 +340,9 @@ def roofline(hardware: str, model: str) -> CostModel:
     bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
     per_token = 2 * spec.params / flops
     pair = spec.attention_flops_per_pair / flops
-    compute = (0.0, per_token, per_token, 0.0, pair, pair, 0.0, 0.0)
-    memory = (spec.weight_bytes / bandwidth, 0.0, 0.0, spec.kv_bytes_per_token / bandwidth, 0.0, 0.0, 0.0, 0.0)
+    compute = (0.0, per_token, per_token, 0.0, pair, pair, 0.0, 0.0, pair, 0.0, 0.0)
+    memory = (spec.weight_bytes / bandwidth, 0.0, 0.0, spec.kv_bytes_per_token / bandwidth, 0.0, 0.0, 0.0, 0.0,
+              0.0, 0.0, 0.0)
     kv_memory = hw.memory_bytes * 0.9 - spec.weight_bytes
     if kv_memory <= 0:
         raise ValueError(f"{model} does not fit in the memory of {hardware}")

@@ -6,7 +6,8 @@ that serves requests:
     arrival    build the Request (token ids and block hashes from the trace ids), route it to an
                engine, add it to that engine's Scheduler
     step       an idle engine with work calls schedule(); the step lasts what the cost model
-               charges for its batch plus its device <-> host copies; when it ends, update() gets
+               charges for its batch plus its device <-> host copies and the store lookups
+               schedule() waited for (stand_ins.VirtualExecutor); when it ends, update() gets
                one sampled token per sampling chunk (requests stop at their trace output length)
                and the next step starts at once
     store I/O  lookups, loads and writes complete when their transfer would have (stand_ins), so
@@ -31,7 +32,7 @@ import numpy as np
 from kvstrata.config import POLICIES, WRITE_POLICIES, CacheConfig, SchedulerConfig
 from kvstrata.sim.cost_model import BatchShape, CostModel
 from kvstrata.hashing import BlockHasher
-from kvstrata.kvcache.tiers import TierManager
+from kvstrata.kvcache.tiers import PROBE_WAIT_S, TierManager
 from kvstrata.request import Request, SamplingParams
 from kvstrata.routing.scheduler_view import ROUTERS, make_router
 from kvstrata.scheduler import Scheduler, SchedulerOutput
@@ -118,6 +119,7 @@ class _Engine:
     scheduler: Scheduler
     tiers: TierManager
     mover: NullMover
+    executor: VirtualExecutor
     output: SchedulerOutput | None = None      # the step in progress, applied when it ends
     wake_at: float | None = None               # a pending wake-up of an idle engine
     steps: int = 0
@@ -234,10 +236,10 @@ class Simulator:
         def post_io(at: float, callback: Callable[[], None]) -> None:
             self._post(at, IO, self._on_io, (index, callback))
 
-        executor = VirtualExecutor(self.clock, self.cost.store_link, block_bytes, post_io)
+        executor = VirtualExecutor(self.clock, self.cost.store_link, block_bytes, post_io, PROBE_WAIT_S)
         tiers = TierManager(cache, cache.num_device_blocks, cache.num_host_blocks, store=self.store, mover=mover,
-                            executor=executor, clock=self.clock, probe_wait=0)
-        return _Engine(index, Scheduler(scheduling, tiers), tiers, mover)
+                            executor=executor, clock=self.clock, probe_wait=0)     # the executor answers in time
+        return _Engine(index, Scheduler(scheduling, tiers), tiers, mover, executor)
 
     # ---- the event loop -------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -295,13 +297,14 @@ class Simulator:
 
     def _start_step(self, engine: _Engine) -> None:
         output = engine.scheduler.schedule()
+        waited = engine.executor.take_waited()
         if output.is_empty:
             if engine.tiers.has_transfers:          # come back by the time any pending transfer times out
                 self._wake(engine, self.clock.now + self.config.store_timeout)
             return
         engine.output = output
         seconds = (self.cost.step_seconds(BatchShape.of(output.chunks, self.config.block_size))
-                   + engine.mover.take_seconds())
+                   + engine.mover.take_seconds() + waited)
         self._post(self.clock.now + seconds, STEP, self._end_step, engine)
 
     def _end_step(self, engine: _Engine) -> None:

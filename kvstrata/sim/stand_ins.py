@@ -9,6 +9,11 @@ The real `TierManager` runs unchanged on top of them:
   Its records are the block hashes themselves. One instance serves a whole fleet.
 - `VirtualExecutor` runs each store call when its transfer would have ended, so store lookups
   and loads take virtual time and requests sit in LOADING, blocks IN_FLIGHT, as in the engine.
+  A lookup the engine would have waited for (it ends within `PROBE_WAIT_S`) is answered at once
+  and its wait accrues to the step, as the engine's plan() waits for it in the step: otherwise
+  every request that looks up the store lost a step to the simulator (the sessions slice past
+  capacity, one profile: TTFT p90 15.56 -> 14.90 s against the engine's 14.75, throughput 45.2 ->
+  46.2 tok/s against 46.4).
 """
 
 from __future__ import annotations
@@ -118,23 +123,38 @@ class VirtualExecutor:
 
     Calls share one link, first come first served: a call's bytes wait for the bytes before it,
     its latency overlaps them. `get` and `put` move a block per key; `exists` and `delete` cost
-    latency only. `post(time, callback)` hands the completion to the event loop.
+    latency only. `post(time, callback)` hands the completion to the event loop. An `exists` (a
+    lookup) that ends within `lookup_wait` completes before `submit` returns, its wait noted for
+    `take_waited`.
     """
 
-    def __init__(self, clock: VirtualClock, link: Link, block_bytes: int, post: Post):
+    def __init__(self, clock: VirtualClock, link: Link, block_bytes: int, post: Post, lookup_wait: float = 0.0):
         self.clock = clock
         self.link = link
         self.block_bytes = block_bytes
         self.post = post
+        self.lookup_wait = lookup_wait
         self._link_free_at = 0.0
+        self._waited = 0.0
 
     def submit(self, fn: Callable, /, *args) -> Future:
-        nbytes = self.block_bytes * len(args[0]) if getattr(fn, "__name__", "") in ("get", "put") else 0
+        name = getattr(fn, "__name__", "")
+        nbytes = self.block_bytes * len(args[0]) if name in ("get", "put") else 0
         start = max(self.clock.now, self._link_free_at)
         self._link_free_at = start + nbytes / self.link.bandwidth
+        end = start + self.link.seconds(nbytes)
         future: Future = Future()
-        self.post(start + self.link.seconds(nbytes), lambda: _complete(future, fn, args))
+        if name == "exists" and end <= self.clock.now + self.lookup_wait:
+            self._waited += end - self.clock.now
+            _complete(future, fn, args)
+        else:
+            self.post(end, lambda: _complete(future, fn, args))
         return future
+
+    def take_waited(self) -> float:
+        """Seconds the engine waited for lookups since the last call (they delay its step)."""
+        waited, self._waited = self._waited, 0.0
+        return waited
 
 
 def _complete(future: Future, fn: Callable, args: tuple) -> None:

@@ -208,6 +208,9 @@ class ShapeRecorder:
         self.last = None if output.is_empty else BatchShape.of(output.chunks, self.runner.block_size)
         return self.runner.execute(output)
 
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)          # the rest of the runner, as the engine sees it
+
 
 def replay_on_engine(trace: list[TraceRequest], config: SimConfig, threads: int | None, clock: str = "cpu",
                      loaded=None) -> EngineRun:
@@ -231,6 +234,7 @@ def replay_on_engine(trace: list[TraceRequest], config: SimConfig, threads: int 
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, policy=config.policy, threads=threads), loaded)
         try:
+            fault_in_kv(engine)             # not warm_up: its prompt would take device blocks
             return _replay(engine, trace, config, clock)
         finally:
             engine.close()
@@ -297,12 +301,23 @@ def speed_probe(engine, timer: Callable[[], float], rounds: int = 3) -> float:
     return min(times)
 
 
+def fault_in_kv(engine) -> None:
+    """Map every page of the engine's KV buffers now (zeros written over zeros), as a server that
+    has run a while has them mapped. They come lazily from calloc (`kvcache.buffers._zeros`) in
+    2 MiB transparent huge pages, and a block's K/V lies in every plane of every layer, so the
+    first step that writes a fresh engine's cache maps nearly all of it (measured on this machine:
+    a 1,024-token prefill's KV write 25 ms warm, 270-510 ms on a 360 MiB cache just allocated,
+    ~2 ms per MiB mapped). That is a start-up cost of the engine, not of the step; timed steps
+    must not carry it, or the first request of every replay and a calibration step or two do."""
+    for cache in engine.runner.buffers.caches.values():
+        cache.data.zero_()
+
+
 def warm_up(engine) -> None:
-    """One step of a whole chunk budget, not timed: a process's first forward of a large batch costs
-    far more than the next (measured: 2.0 s against 1.15 s for 1,024 tokens), so calibration and the
-    speed probe start warm. It does not warm a later engine's first large step: in validation the
-    first request of a new engine still took 0.5-0.8 s more than the profile in 5 of 6 runs (its
-    prefill is the only fresh 1,024-token one of the plain slice, so it is that slice's p99)."""
+    """The engine's KV pages mapped (`fault_in_kv`) and one step of a whole chunk budget, not
+    timed: a process's first forward of a large batch also costs more than the next, so
+    calibration and the speed probe start warm."""
+    fault_in_kv(engine)
     engine.add_request([7] * MAX_CHUNK, SamplingParams(max_tokens=1, ignore_eos=True))
     while engine.has_work:
         engine.step()
@@ -336,11 +351,8 @@ def offered_work(trace: list[TraceRequest], cost: CostModel, tokens_per_id: int,
     work = 0.0
     for r, hits in zip(trace, ideal_hits(trace, tokens)):
         for start in range(hits * BLOCK_SIZE, r.input_length, chunk):
-            n = min(chunk, r.input_length - start)
-            keys = -(-(start + n) // BLOCK_SIZE) * BLOCK_SIZE
-            work += cost.step_seconds(BatchShape(n, 0, keys if start else 0, 0 if start else n * (n + 1) // 2,
-                                                 n * keys if start else 0, 1))
-        work += sum(cost.step_seconds(BatchShape(0, 1, -(-(r.input_length + i) // BLOCK_SIZE) * BLOCK_SIZE))
+            work += cost.step_seconds(BatchShape.alone(start, min(chunk, r.input_length - start), BLOCK_SIZE))
+        work += sum(cost.step_seconds(BatchShape.alone(r.input_length + i - 1, 1, BLOCK_SIZE))
                     for i in range(1, r.output_length))
     return work
 
@@ -418,7 +430,8 @@ def validate_level(trace: list[TraceRequest], config: SimConfig, cost: CostModel
                      "step_seconds": {"steps": len(run.steps), "engine": sum(t for _, t in run.steps),
                                       "profile": sum(cost.step_seconds(s) for s, _ in run.steps)},
                      "step_kinds": step_breakdown(run.steps, cost),
-                     "ttft_s": [r.ttft for r in run.records], "cached_tokens": [r.cached_tokens for r in run.records]})
+                     "ttft_s": [r.ttft for r in run.records], "tpot_s": [r.tpot for r in run.records],
+                     "cached_tokens": [r.cached_tokens for r in run.records]})
     rows = {}
     for name, got in sim_figures.items():
         wants = [r["figures"][name] for r in runs]
@@ -429,7 +442,7 @@ def validate_level(trace: list[TraceRequest], config: SimConfig, cost: CostModel
                       "error_mean": sum(known) / len(known) if known else None}
     return {"time_scale": time_scale, "figures": rows, "engine_runs": runs,
             "simulator": {**{k: sim_report[k] for k in ("preemptions", "steps", "transfers", "simulated_s")},
-                          "ttft_s": [r.ttft for r in result.records],
+                          "ttft_s": [r.ttft for r in result.records], "tpot_s": [r.tpot for r in result.records],
                           "cached_tokens": [r.cached_tokens for r in result.records]}}
 
 
