@@ -302,15 +302,16 @@ def speed_probe(engine, timer: Callable[[], float], rounds: int = 3) -> float:
 
 
 def fault_in_kv(engine) -> None:
-    """Map every page of the engine's KV buffers now (zeros written over zeros), as a server that
-    has run a while has them mapped. They come lazily from calloc (`kvcache.buffers._zeros`) in
-    2 MiB transparent huge pages, and a block's K/V lies in every plane of every layer, so the
-    first step that writes a fresh engine's cache maps nearly all of it (measured on this machine:
-    a 1,024-token prefill's KV write 25 ms warm, 270-510 ms on a 360 MiB cache just allocated,
-    ~2 ms per MiB mapped). That is a start-up cost of the engine, not of the step; timed steps
-    must not carry it, or the first request of every replay and a calibration step or two do."""
+    """Map every page of the engine's KV buffers now, as an idle server does soon after it starts
+    (`PagedKVCache.map_pages`). They come lazily from calloc in 2 MiB transparent huge pages, and a
+    block's K/V lies in every plane of every layer, so the first step that writes a fresh engine's
+    cache maps nearly all of it (measured on this machine: a 1,024-token prefill's KV write 25 ms
+    warm, 270-510 ms on a 360 MiB cache just allocated, ~2 ms per MiB mapped). That is a start-up
+    cost of the engine, not of the step; timed steps must not carry it, or the first request of
+    every replay and a calibration step or two do."""
     for cache in engine.runner.buffers.caches.values():
-        cache.data.zero_()
+        while cache.map_pages(1 << 30):
+            pass
 
 
 def warm_up(engine) -> None:
