@@ -153,6 +153,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         compile_layers(loaded.model)
     elif config.quantization == "none":
         loaded.model.pack_projections()      # dynamo cannot trace oneDNN's packed weights: not with --compile
+    if config.batch_invariant and dtype.itemsize < 4:
+        loaded.model.sum_exactly()
     logger.info("loaded %s (%d layers, %s, quantization %s, %s) in %.2fs", name, loaded.arch.num_layers,
                 str(dtype).removeprefix("torch."), config.quantization, device, time.perf_counter() - start)
     return loaded
