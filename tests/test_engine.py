@@ -200,6 +200,10 @@ def test_batch_invariant_bf16_outputs_equal_with_caching_on_and_off():
     from kvstrata.model.loader import load_model
 
     loaded = load_model(ModelConfig(dtype="bfloat16", device="cpu", batch_invariant=True))
+    plain = load_model(ModelConfig(dtype="bfloat16", device="cpu"))
+    assert loaded.fingerprint != plain.fingerprint                  # neither ever loads the other's KV
+    assert load_model(ModelConfig(dtype="float32", device="cpu", batch_invariant=True)).fingerprint == \
+        load_model(ModelConfig(dtype="float32", device="cpu")).fingerprint   # float32 sums are unchanged
 
     def run(**opts):
         engine = LLMEngine(EngineConfig.from_options(kv_cache_memory="64MiB", audit_every_step=True, **opts),

@@ -148,22 +148,21 @@ def load_model(config: ModelConfig) -> LoadedModel:
     else:
         raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a folder "
                          "(config.json + *.safetensors)")
-    loaded = _load_folder(folder, name, weight_ids, dtype, device, config.quantization)
+    loaded = _load_folder(folder, name, weight_ids, dtype, device, config.quantization,
+                          exact_sums=config.batch_invariant and dtype.itemsize < 4)
     if config.compile:
         compile_layers(loaded.model)
     elif config.quantization == "none":
         loaded.model.pack_projections()      # dynamo cannot trace oneDNN's packed weights: not with --compile
-    if config.batch_invariant and dtype.itemsize < 4:
-        loaded.model.sum_exactly()
     logger.info("loaded %s (%d layers, %s, quantization %s, %s) in %.2fs", name, loaded.arch.num_layers,
                 str(dtype).removeprefix("torch."), config.quantization, device, time.perf_counter() - start)
     return loaded
 
 
 def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dtype: torch.dtype,
-                 device: torch.device, quantization: str) -> LoadedModel:
+                 device: torch.device, quantization: str, exact_sums: bool = False) -> LoadedModel:
     """Build the model from an HF-style folder; an int8 model is quantized once and cached (see
-    kvstrata.model.quantize)."""
+    kvstrata.model.quantize); `exact_sums`: `--batch-invariant` on a 16-bit model (`sum_exactly`)."""
     config = json.loads((folder / "config.json").read_text())
     arch = arch_from_hf_config(config)
     tensors: dict[str, torch.Tensor] = {}
@@ -177,10 +176,14 @@ def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dty
     else:
         logger.warning("%s has no tokenizer files; the model takes token ids only", folder)
     # The quantization changes every K/V the model computes, so KV cached by an fp32 engine must
-    # never serve an int8 one (block hashes and store records both carry this fingerprint).
-    fingerprint = hashlib.sha256(json.dumps({"weights": weight_ids, "arch": asdict(arch),
-                                             "quantization": quantization},
-                                            sort_keys=True).encode()).hexdigest()
+    # never serve an int8 one (block hashes and store records both carry this fingerprint). Exact
+    # sums change a 16-bit model's K/V in their last bits: a batch-invariant engine that loaded
+    # another's KV would lose its guarantee (the key is absent otherwise, so other fingerprints stay).
+    identity = {"weights": weight_ids, "arch": asdict(arch), "quantization": quantization}
+    if exact_sums:
+        identity["exact_sums"] = True
+        model.sum_exactly()
+    fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     if quantization == "int8":
         load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_root(), fingerprint))
     eos = _eos_token_ids(folder, config, tokenizer)
