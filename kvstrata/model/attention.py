@@ -4,8 +4,10 @@ Same code on CPU and CUDA: no host-side loops over tokens, no device syncs per l
 is planned once per forward (`PagedAttention.plan`) and replayed by every layer:
 
     tokens:   [d0 d1 d2 d3 | p0 p0 p0 p0 | p1 p1]      decodes first, then prefill chunks
-    decodes:  one gather per layer copies every block the decodes read into one buffer, then
-              batched attention per segment (below).
+    decodes:  the paged kernel (kvstrata.model.kernels) reads each decode's blocks where they
+              lie, all decodes in one call per layer. Without it (no C++ compiler, exact sums,
+              a shape it cannot read) one gather per layer copies every block the decodes read
+              into one buffer, then batched attention per segment (below).
     chunk:    one SDPA per chunk; queries are positions seq_len-n .. seq_len-1 and see keys
               0 .. their own position. A chunk that starts a sequence uses its own K/V directly
               (no gather); a later chunk gathers the sequence's blocks.
@@ -23,7 +25,9 @@ the two partial results merge exactly by their log-sum-exp (LSE):
                        prefix rows of one group      its shared blocks, once for the group
                        own    rows [grouped, nd)     whole contexts, batched
 
-Grouped rows need the LSE, which SDPA does not return, so their softmax is written out (`attend`:
+With the kernel, each decode's own part (from its group's prefix on, or its whole context) comes
+from the kernel with its LSE, and only the groups' prefixes are gathered and attended by `attend`.
+Without it, grouped rows need the LSE, which SDPA does not return, so their softmax is written out (`attend`:
 two matmuls, max, exp, sum; float32 scores). Ungrouped rows keep one SDPA call, as before cascade
 attention: at batch 1 every extra op per layer costs time, and their results stay bit for bit
 what they were. Each batched segment pads its sequences to its longest and masks the rest, so
@@ -35,8 +39,10 @@ Measured (bench/model_step.py's shapes, SmolLM2 fp32, 1 thread, process CPU time
 the FLOPs of the 16 x 9 query rows over 1,040 keys, which no grouping removes); 32 decodes at 600
 sharing 512, 300 -> 185 ms. Where it loses: a group costs ~40 us per layer more than SDPA, so a
 small one does not pay (see kvstrata.model.prefix_groups.GROUP_COST_TOKENS). Decodes with
-distinct contexts still copy each of their blocks once per layer and step: 25% of a batch-32
-step at 600 tokens, SDPA another 28%.
+distinct contexts copied each of their blocks once per layer and step (25% of a batch-32 step
+at 600 tokens, SDPA another 28%) until the paged kernel: on 16 x 600 bf16 keys per layer (1
+thread, a 30,000-block cache) 0.61-0.67 ms against 1.24 ms for gather + SDPA, and a bf16 model
+step at batch 32 x 600 92-102 ms against 150-176 ms.
 
 Exact attention for int8 models (`compute_dtype=torch.float64`). Each kernel above sums in an
 order that depends on the call's shapes (SDPA's tiles follow the key count and the query count; a
@@ -62,6 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.kernels import PagedDecode, paged_decode
 
 
 @dataclass
@@ -97,6 +104,11 @@ class AttentionPlan:
     own: list[DecodeSegment]                  # each decode in exactly one; grouped rows first
     prefixes: list[DecodeSegment]             # one per DecodeGroup, shared
     prefills: list[PrefillChunk]
+    decode_first: torch.Tensor | None = None  # (num_decodes,) keys before each decode's own part (its
+                                              # group's prefix) when the kernel reads the decodes' own
+                                              # blocks in place (then `own` is empty); None: gathered
+    decode_tables: torch.Tensor | None = None  # (num_decodes, max_blocks), for the kernel
+    decode_lens: torch.Tensor | None = None    # (num_decodes,), for the kernel
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -141,7 +153,13 @@ class PagedAttention:
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.compute_dtype = compute_dtype        # None: the KV cache's dtype; see "Exact attention"
+        self.kernel: PagedDecode | None = paged_decode()   # None: decodes gather their blocks
         self._scratch: list[torch.Tensor | None] = [None, None]
+
+    def reads_in_place(self, block_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether decodes go through the paged kernel (never for exact sums: it sums in float32)."""
+        return (self.kernel is not None and self.compute_dtype is None
+                and self.kernel.supports(dtype, self.group, self.head_dim, block_size, device))
 
     def plan(self, batch: ForwardBatch, block_size: int, num_blocks: int, dtype: torch.dtype) -> AttentionPlan:
         """Masks are additive in `dtype` (SDPA would convert a boolean mask in every layer);
@@ -153,8 +171,9 @@ class PagedAttention:
         seq_lens = batch.seq_lens.tolist()      # one host copy per forward (a sync on CUDA)
         nd = batch.num_decodes
         assert qsl[nd] == nd, "decodes must come first, one token each"
-        decode_rows, grouped, own, prefixes = self._plan_decodes(batch, seq_lens, block_size, num_blocks, dtype) \
-            if nd else (None, 0, [], [])
+        in_place = nd > 0 and self.reads_in_place(block_size, dtype, device)
+        decode_rows, grouped, own, prefixes = \
+            self._plan_decodes(batch, seq_lens, block_size, num_blocks, dtype, in_place) if nd else (None, 0, [], [])
         prefills = []
         for b in range(nd, batch.num_seqs):
             start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
@@ -169,12 +188,20 @@ class PagedAttention:
             mask = _additive(keys[None, :] <= last_visible[:, None], dtype)   # (n, nblk * bs)
             prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, :nblk], planes, num_blocks),
                                          mask))
-        return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills)
+        plan = AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills)
+        if in_place:
+            first = torch.zeros(nd, dtype=torch.int64, device=device)
+            for group in batch.decode_groups:
+                first[group.start:group.end] = group.prefix_blocks * block_size
+            plan.decode_first, plan.decode_tables, plan.decode_lens = first, batch.block_tables[:nd], batch.seq_lens[:nd]
+        return plan
 
     def _plan_decodes(self, batch: ForwardBatch, seq_lens: list[int], block_size: int, num_blocks: int,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, int, list[DecodeSegment], list[DecodeSegment]]:
-        """The gather rows of every decode segment (one tensor), the number of grouped decodes, the
-        own segments and the prefix segments."""
+                      dtype: torch.dtype, in_place: bool
+                      ) -> tuple[torch.Tensor | None, int, list[DecodeSegment], list[DecodeSegment]]:
+        """The gather rows of every decode segment (one tensor; None if there are none), the number of
+        grouped decodes, the own segments and the prefix segments. `in_place`: the kernel reads the
+        decodes' own blocks, so there are no own segments and only the prefixes are gathered."""
         nd, groups, tables = batch.num_decodes, batch.decode_groups, batch.block_tables
         device = tables.device
         grouped = groups[-1].end if groups else 0
@@ -191,7 +218,7 @@ class PagedAttention:
         planes = 2 * self.num_kv_heads
         rows, own, prefixes, offset = [], [], [], 0
         for start, end in ((0, grouped), (grouped, nd)):
-            if start == end:
+            if start == end or in_place:
                 continue
             blocks = max(-(-seq_lens[b] // block_size) - first_own[b] for b in range(start, end))
             first = torch.tensor(first_own[start:end], device=device)[:, None]
@@ -208,7 +235,7 @@ class PagedAttention:
             prefixes.append(DecodeSegment(group.start, group.end, offset, group.prefix_blocks, None))
             rows.append(_gather_rows(ids, planes, num_blocks))
             offset += group.prefix_blocks
-        return torch.cat(rows), grouped, own, prefixes
+        return (torch.cat(rows) if rows else None), grouped, own, prefixes
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                  plan: AttentionPlan) -> torch.Tensor:
@@ -241,7 +268,10 @@ class PagedAttention:
         """Attention of the decode rows of q (T, H, D) into out (T, H * D): grouped rows by hand (own
         part, then each group's prefix merged in), the others by one SDPA."""
         h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
-        buf = self._gather(kv_layer, plan.decode_rows)
+        buf = None if plan.decode_rows is None else self._gather(kv_layer, plan.decode_rows)
+        if plan.decode_first is not None:
+            self._in_place(q, kv_layer, plan, buf, out)
+            return
         for seg in plan.own:
             n = seg.end - seg.start
             keys = self._blocks(buf, seg.offset, n * seg.blocks).unflatten(2, (n, -1))   # (2, KVH, n, L, D)
@@ -260,13 +290,37 @@ class PagedAttention:
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
         qd = q.view(n, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)    # (KVH, n, G, D)
         o, lse = attend(qd, keys[0], keys[1], mask)                                  # (KVH, n, G, D)
+        self._merge_prefixes(qd, o, lse, buf, prefixes)
+        return o.transpose(0, 1).reshape(n, kvh * g * d)
+
+    def _merge_prefixes(self, qd: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, buf: torch.Tensor,
+                        prefixes: list[DecodeSegment]) -> None:
+        """Attend each group's queries (rows of qd (KVH, n, G, D), scaled) to its shared prefix in the
+        gather buffer, once for the group, and merge that into o (KVH, n, G, D) by the log-sum-exps
+        lse (KVH, n, G, 1) of o's keys."""
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
         for seg in prefixes:
             m = seg.end - seg.start
             shared = self._blocks(buf, seg.offset, seg.blocks)                       # (2, KVH, P * bs, D)
             o_pre, lse_pre = attend(qd[:, seg.start:seg.end].reshape(kvh, m * g, d), shared[0], shared[1], None)
             weight = torch.sigmoid(lse_pre.view(kvh, m, g, 1) - lse[:, seg.start:seg.end])
-            o[:, seg.start:seg.end].lerp_(o_pre.view(kvh, m, g, d), weight.to(o.dtype))
-        return o.transpose(0, 1).reshape(n, kvh * g * d)
+            o[:, seg.start:seg.end].lerp_(o_pre.view(kvh, m, g, d).to(o.dtype), weight.to(o.dtype))
+
+    def _in_place(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, buf: torch.Tensor | None,
+                  out: torch.Tensor) -> None:
+        """Every decode row of q (T, H, D) through the paged kernel (its own blocks, read in place, in
+        float32), then each group's shared prefix merged in; into out (T, H * D)."""
+        nd, grouped = plan.num_decodes, plan.grouped
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        qf = torch.empty(nd, kvh, g, d)
+        qf.view(nd, kvh * g, d).copy_(q[:nd])
+        o, lse = torch.empty_like(qf), torch.empty(nd, kvh, g)
+        self.kernel(qf, kv_layer, plan.decode_tables, plan.decode_first, plan.decode_lens, d ** -0.5, o, lse)
+        if grouped:
+            qd = q[:grouped].view(grouped, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)
+            self._merge_prefixes(qd, o[:grouped].transpose(0, 1), lse[:grouped].transpose(0, 1).unsqueeze(-1),
+                                 buf, plan.prefixes)
+        out[:nd] = o.view(nd, kvh * g * d)
 
     def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Copy the block rows `rows` (see _gather_rows) into the scratch buffer, in `compute_dtype`

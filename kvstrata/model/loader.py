@@ -33,7 +33,7 @@ import safetensors.torch
 import torch
 from transformers import AutoTokenizer
 
-from kvstrata.config import ModelConfig
+from kvstrata.config import ModelConfig, cache_dir
 from kvstrata.model import gguf_convert
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
 from kvstrata.model.compiled import compile_layers
@@ -66,7 +66,7 @@ class LoadedModel:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")
+    return cache_dir()
 
 
 def default_model_path() -> Path:

@@ -245,7 +245,7 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
                   "decode": {str(k): v for k, v in DECODE_GRID.items()},
                   "distinct_decodes": {str(k): v for k, v in DISTINCT_DECODES.items()}, "mixed": MIXED}]
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
-                   store_link=store_link, record_link=record_link,
+                   store_link=store_link, record_link=record_link, decode_in_place=recorder.runner.decodes_in_place,
                    source=(f"calibrated on {machine or machine_name()}, {datetime.date.today().isoformat()}, model "
                            f"{engine.loaded.name} ({engine.loaded.dtype}, {threads or 'default'} threads), "
                            f"{len(shapes)} grid steps x {repeat} runs{' + trace slices ' + ','.join(slices) if slices else ''}"

@@ -36,6 +36,7 @@ from kvstrata.model.prefix_groups import group_decodes
 
 logger = logging.getLogger(__name__)
 
+KERNEL_TILE = 16   # keys the paged decode kernel attends at a time (W in kvstrata/model/csrc/paged_attention.cpp)
 FEATURES = ("step", "prefill_tokens", "decode_seqs", "kv_tokens_read", "attention_pairs", "masked_pairs",
             "prefill_chunks", "decode_groups", "decode_pairs", "decode_segments", "lone_decode_pairs")
 
@@ -65,6 +66,11 @@ class BatchShape(NamedTuple):
     +1.2% and +1.4% with it; in the next, within its noise either way. A request decoding alone
     is what TPOT at light load measures.
     Every prefill chunk also costs a fixed amount (its own SDPA call and plan in every layer).
+    An engine whose decodes read their blocks in place (`in_place`: the paged kernel,
+    kvstrata.model.kernels) gathers only the groups' shared prefixes; each decode attends its own
+    keys unpadded (16-key tiles from its group's prefix on), all decodes in one call per layer
+    (one segment), and a lone decode is a step with a single decode (its kv heads are the only
+    work items the threads share).
     """
 
     prefill_tokens: int = 0
@@ -80,8 +86,8 @@ class BatchShape(NamedTuple):
     lone_decode_pairs: int = 0    # of decode_pairs, those of a segment of one decode
 
     @classmethod
-    def of(cls, chunks: Iterable, block_size: int) -> BatchShape:
-        """The shape of a step's `ScheduledChunk`s."""
+    def of(cls, chunks: Iterable, block_size: int, in_place: bool = False) -> BatchShape:
+        """The shape of a step's `ScheduledChunk`s; `in_place`: decodes read their blocks in place."""
         prefill = kv = fresh = masked = count = 0
         decodes = []
         for chunk in chunks:
@@ -97,14 +103,14 @@ class BatchShape(NamedTuple):
                 keys = -(-(start + n) // block_size) * block_size
                 kv += keys
                 masked += n * keys
-        work = _decode_work(decodes, block_size)
+        work = _decode_work(decodes, block_size, in_place)
         return cls(prefill, len(decodes), kv + work.reads, fresh, masked, count, work.groups, work.pairs,
                    work.segments, work.lone_pairs)
 
     @classmethod
-    def alone(cls, start: int, n: int, block_size: int) -> BatchShape:
+    def alone(cls, start: int, n: int, block_size: int, in_place: bool = False) -> BatchShape:
         """The shape of a step that runs one chunk of n tokens from position `start` and nothing else."""
-        return cls.of([_Chunk(start, range(n), ())], block_size)
+        return cls.of([_Chunk(start, range(n), ())], block_size, in_place)
 
     def features(self) -> tuple[float, ...]:
         return (1.0, *self)
@@ -126,16 +132,17 @@ class _DecodeWork(NamedTuple):
     lone_pairs: int     # pairs of segments of one decode
 
 
-def _decode_work(decodes: Sequence, block_size: int) -> _DecodeWork:
+def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeWork:
     """What the decodes cost as the runner forms them: KV tokens gathered (each segment padded to
-    its longest member, shared prefixes once), cascade groups, query-key pairs attended (each
-    prefix once per member) and batched attention segments."""
+    its longest member, shared prefixes once; in place: the prefixes only), cascade groups,
+    query-key pairs attended (each prefix once per member) and batched attention segments."""
     if not decodes:
         return _DecodeWork(0, 0, 0, 0, 0)
     seq_lens = [d.start + 1 for d in decodes]
     blocks = [-(-n // block_size) for n in seq_lens]
     if len(decodes) < 2:
-        return _DecodeWork(blocks[0] * block_size, 0, blocks[0] * block_size, 1, blocks[0] * block_size)
+        keys = -(-seq_lens[0] // KERNEL_TILE) * KERNEL_TILE if in_place else blocks[0] * block_size
+        return _DecodeWork(0 if in_place else keys, 0, keys, 1, keys)
     order, groups = group_decodes([d.block_ids for d in decodes], seq_lens, block_size)
     grouped = groups[-1].end if groups else 0
     own = [0] * len(decodes)                     # blocks each row reads itself, in batch order
@@ -147,11 +154,23 @@ def _decode_work(decodes: Sequence, block_size: int) -> _DecodeWork:
             own[row] = blocks[order[row]] - group.prefix_blocks
     for row in range(grouped, len(decodes)):
         own[row] = blocks[order[row]]
+    if in_place:
+        tiles = sum(-(-seq_lens[order[row]] // KERNEL_TILE) - own_first // KERNEL_TILE
+                    for row, own_first in enumerate(_own_first_keys(groups, len(decodes), block_size)))
+        return _DecodeWork(shared * block_size, len(groups), tiles * KERNEL_TILE + shared_pairs * block_size, 1, 0)
     segments = [(start, end) for start, end in ((0, grouped), (grouped, len(decodes))) if end > start]
     padded = sum((end - start) * max(own[start:end]) for start, end in segments)
     lone = sum(own[start] for start, end in segments if end - start == 1)
     return _DecodeWork((padded + shared) * block_size, len(groups), (padded + shared_pairs) * block_size,
                        len(segments), lone * block_size)
+
+
+def _own_first_keys(groups: Sequence, count: int, block_size: int) -> list[int]:
+    """Each batch row's first key after its group's prefix (0 for an ungrouped decode)."""
+    first = [0] * count
+    for group in groups:
+        first[group.start:group.end] = [group.prefix_blocks * block_size] * (group.end - group.start)
+    return first
 
 
 @dataclass(frozen=True)
@@ -177,6 +196,7 @@ class CostModel:
     device_cache_tokens: int | None = None       # what the device holds beside the weights, when known
     record_link: Link | None = None              # encode or decode one block's store record, in the step
     fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
+    decode_in_place: bool = False                # the engine fitted on read decodes' blocks in place
 
     def __post_init__(self) -> None:
         if len(self.compute) != len(FEATURES) or len(self.memory) != len(FEATURES):
@@ -222,7 +242,8 @@ class CostModel:
                    overhead_s=float(data.get("overhead_s", 0.0)),
                    device_cache_tokens=data.get("device_cache_tokens"),
                    record_link=Link(**data["record_link"]) if data.get("record_link") else None,
-                   fitted_on=tuple(data.get("fitted_on", ())))
+                   fitted_on=tuple(data.get("fitted_on", ())),
+                   decode_in_place=bool(data.get("decode_in_place", False)))
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

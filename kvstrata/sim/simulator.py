@@ -303,8 +303,8 @@ class Simulator:
                 self._wake(engine, self.clock.now + self.config.store_timeout)
             return
         engine.output = output
-        seconds = (self.cost.step_seconds(BatchShape.of(output.chunks, self.config.block_size))
-                   + engine.mover.take_seconds() + waited)
+        shape = BatchShape.of(output.chunks, self.config.block_size, self.cost.decode_in_place)
+        seconds = self.cost.step_seconds(shape) + engine.mover.take_seconds() + waited
         self._post(self.clock.now + seconds, STEP, self._end_step, engine)
 
     def _end_step(self, engine: _Engine) -> None:

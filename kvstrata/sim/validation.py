@@ -205,7 +205,8 @@ class ShapeRecorder:
         self.last: BatchShape | None = None
 
     def execute(self, output):
-        self.last = None if output.is_empty else BatchShape.of(output.chunks, self.runner.block_size)
+        self.last = None if output.is_empty else BatchShape.of(output.chunks, self.runner.block_size,
+                                                               self.runner.decodes_in_place)
         return self.runner.execute(output)
 
     def __getattr__(self, name: str):
@@ -352,8 +353,9 @@ def offered_work(trace: list[TraceRequest], cost: CostModel, tokens_per_id: int,
     work = 0.0
     for r, hits in zip(trace, ideal_hits(trace, tokens)):
         for start in range(hits * BLOCK_SIZE, r.input_length, chunk):
-            work += cost.step_seconds(BatchShape.alone(start, min(chunk, r.input_length - start), BLOCK_SIZE))
-        work += sum(cost.step_seconds(BatchShape.alone(r.input_length + i - 1, 1, BLOCK_SIZE))
+            work += cost.step_seconds(BatchShape.alone(start, min(chunk, r.input_length - start), BLOCK_SIZE,
+                                                       cost.decode_in_place))
+        work += sum(cost.step_seconds(BatchShape.alone(r.input_length + i - 1, 1, BLOCK_SIZE, cost.decode_in_place))
                     for i in range(1, r.output_length))
     return work
 

@@ -1,0 +1,117 @@
+"""Our C++ kernels (kvstrata/model/csrc): built with the system C++ compiler at first use, cached, loaded with ctypes.
+
+Why a plain shared library and not a torch extension: it needs no torch headers, so it compiles in
+about a second instead of a minute, and it loads without a build system. It takes raw pointers, so
+the callers here check every shape, dtype and stride it relies on. It is compiled with `-fopenmp`
+and so needs `libgomp.so.1`, the soname of the OpenMP runtime torch itself loads: the kernel's
+parallel loops run on torch's own thread team (one team spinning, not two; see AsyncLLMEngine).
+
+The build lands in `$KVSTRATA_CACHE_DIR/kernels` (default `~/.cache/kvstrata/kernels`) under a name
+made of the source's and the flags' hash, so a changed source rebuilds (about 4 s) and concurrent first
+uses do not clash (each writes a temporary file and renames it); `make install` builds it ahead.
+Without a compiler, or with `KVSTRATA_KERNELS=0`, `paged_decode()` returns None and attention keeps
+its torch path. `python -m kvstrata.model.kernels` builds it and says where it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kvstrata.config import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
+
+
+class PagedDecode:
+    """`kvs_paged_decode` with its arguments checked. See the C++ source for what it computes."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.kvs_paged_decode
+        self._fn.restype = None
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn.argtypes = [ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                             ctypes.c_float, ptr, ptr]
+        self.max_group = lib.kvs_max_group()
+        self._head_dim_ok = lib.kvs_supports_head_dim
+        self.lanes = lib.kvs_lanes()
+
+    def supports(self, kv_dtype: torch.dtype, group: int, head_dim: int, block_size: int,
+                 device: torch.device) -> bool:
+        """Whether a cache of these shapes can be read by the kernel (else: the torch path)."""
+        return (device.type == "cpu" and kv_dtype in (torch.float32, torch.bfloat16)
+                and group <= self.max_group and bool(self._head_dim_ok(head_dim))
+                and (block_size % self.lanes == 0 or self.lanes % block_size == 0))
+
+    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, first: torch.Tensor,
+                 lens: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Attention of q (n, KVH, G, D) float32 over keys [first, lens) of each sequence's blocks in
+        kv_layer (2, KVH, N, bs, D) into out (n, KVH, G, D) and lse (n, KVH, G), both float32."""
+        n, kvh, g, d = q.shape
+        two, kvh_, num_blocks, bs, d_ = kv_layer.shape
+        assert (two, kvh_, d_) == (2, kvh, d) and kv_layer.is_contiguous()
+        assert q.dtype == out.dtype == lse.dtype == torch.float32 and q.is_contiguous()
+        assert out.shape == q.shape and out.is_contiguous() and lse.shape == q.shape[:3] and lse.is_contiguous()
+        assert tables.dtype == first.dtype == lens.dtype == torch.int64 and tables.stride(1) == 1
+        assert first.shape == lens.shape == (n,) and tables.shape[0] == n
+        assert first.is_contiguous() and lens.is_contiguous()
+        self._fn(q.data_ptr(), kv_layer.data_ptr(), int(kv_layer.dtype == torch.bfloat16), tables.data_ptr(),
+                 tables.stride(0), first.data_ptr(), lens.data_ptr(), n, kvh, g, d, num_blocks, bs, scale,
+                 out.data_ptr(), lse.data_ptr())
+
+
+@cache
+def paged_decode() -> PagedDecode | None:
+    """The paged decode kernel, built if need be; None when it cannot be had here (logged once)."""
+    if os.environ.get("KVSTRATA_KERNELS", "1") == "0":
+        return None
+    try:
+        return PagedDecode(ctypes.CDLL(str(_build())))
+    except subprocess.CalledProcessError as e:
+        reason = f"{' '.join(e.cmd)} failed: {e.stderr.strip()[-2000:]}"
+    except OSError as e:                    # FileNotFoundError (no compiler) included
+        reason = str(e)
+    logger.warning("paged attention kernel unavailable (%s); decode attention gathers blocks instead", reason)
+    return None
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise FileNotFoundError("no C++ compiler (g++) on PATH")
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    root = cache_dir() / "kernels"
+    target = root / f"paged_attention-{tag}.so"
+    if target.exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built %s", target)
+    return target
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = paged_decode() is not None
+    print(f"paged attention kernel: {_build() if built else 'unavailable (KVSTRATA_KERNELS=0, or see above)'}")
+    raise SystemExit(0 if built else 1)
