@@ -81,8 +81,8 @@ def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, i
     if not in_place:
         lone = sum(seg.blocks * BS for seg in plan.own if seg.end - seg.start == 1)
         return rows // planes * BS, attended, len(plan.own), lone
-    tile = KERNEL_TILE
-    kernel = sum(-(-int(n) // tile) * tile - int(f) // tile * tile for f, n in zip(plan.decode_first, plan.decode_lens))
+    tile, (call,) = KERNEL_TILE, plan.in_place
+    kernel = sum(-(-int(n) // tile) * tile - int(f) // tile * tile for f, n in zip(call.first, call.lens))
     return rows // planes * BS, attended + kernel, 1, kernel if len(decodes) == 1 else 0
 
 

@@ -53,7 +53,10 @@ steps: greedy outputs with caching on and off then part ways (8 of 25 prompts in
 tests/test_int8.py). Summing in float64 and rounding the result to float32 makes every path give
 the same float32 value unless the exact one lies within ~1e-16 of a rounding boundary. Cost: the
 gathered K/V is copied once more per layer (into a kept float64 buffer), and the matmuls run at
-half the float32 rate.
+half the float32 rate. Decodes skip all that when the paged kernel reads them: it sums in float32
+but in an order fixed by the sequence alone (never by the batch), so a decode row gets the same
+bits on every path as long as it always attends its whole context there, which is why exact sums
+ignore decode groups on that path.
 
 GQA without copying K/V: a decode's query heads are grouped as (.., KVH, G, D) so each kv head
 is attended by G query rows. Prefill inputs to SDPA are 4-D: PyTorch's CPU SDPA takes its fused
@@ -67,7 +70,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
 from kvstrata.model.kernels import PagedDecode, paged_decode
 
 
@@ -94,6 +97,18 @@ class DecodeSegment:
 
 
 @dataclass
+class KernelCall:
+    """Query rows [start, end) through the paged kernel: row i attends keys [first[i], lens[i]) of the
+    blocks tables[i] (a chunk's rows share one table row, expanded without a copy)."""
+
+    start: int
+    end: int
+    tables: torch.Tensor           # (n, max_blocks) int64
+    first: torch.Tensor            # (n,) int64
+    lens: torch.Tensor             # (n,) int64
+
+
+@dataclass
 class AttentionPlan:
     """What every layer's attention needs for one forward, built once from the ForwardBatch."""
 
@@ -103,12 +118,10 @@ class AttentionPlan:
     grouped: int                              # decodes [0, grouped) are in groups
     own: list[DecodeSegment]                  # each decode in exactly one; grouped rows first
     prefixes: list[DecodeSegment]             # one per DecodeGroup, shared
-    prefills: list[PrefillChunk]
-    decode_first: torch.Tensor | None = None  # (num_decodes,) keys before each decode's own part (its
-                                              # group's prefix) when the kernel reads the decodes' own
-                                              # blocks in place (then `own` is empty); None: gathered
-    decode_tables: torch.Tensor | None = None  # (num_decodes, max_blocks), for the kernel
-    decode_lens: torch.Tensor | None = None    # (num_decodes,), for the kernel
+    prefills: list[PrefillChunk]              # chunks attended in torch
+    in_place: list[KernelCall]                # rows the kernel attends: all decodes (their own part,
+                                              # after any group's prefix) first, then, under exact sums,
+                                              # every prefill chunk; decodes in place leave `own` empty
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -157,28 +170,42 @@ class PagedAttention:
         self._scratch: list[torch.Tensor | None] = [None, None]
 
     def reads_in_place(self, block_size: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether decodes go through the paged kernel (never for exact sums: it sums in float32)."""
-        return (self.kernel is not None and self.compute_dtype is None
-                and self.kernel.supports(dtype, self.group, self.head_dim, block_size, device))
+        """Whether decodes go through the paged kernel (a cache of `dtype` on `device`)."""
+        return self.kernel is not None and self.kernel.supports(dtype, self.group, self.head_dim, block_size, device)
 
     def plan(self, batch: ForwardBatch, block_size: int, num_blocks: int, dtype: torch.dtype) -> AttentionPlan:
         """Masks are additive in `dtype` (SDPA would convert a boolean mask in every layer);
         `num_blocks` is the size of the cache the blocks are gathered from."""
         planes = 2 * self.num_kv_heads
         device = batch.input_ids.device
-        dtype = self.compute_dtype or dtype
         qsl = batch.query_start_loc
         seq_lens = batch.seq_lens.tolist()      # one host copy per forward (a sync on CUDA)
         nd = batch.num_decodes
         assert qsl[nd] == nd, "decodes must come first, one token each"
-        in_place = nd > 0 and self.reads_in_place(block_size, dtype, device)
-        decode_rows, grouped, own, prefixes = \
-            self._plan_decodes(batch, seq_lens, block_size, num_blocks, dtype, in_place) if nd else (None, 0, [], [])
+        kernel = self.reads_in_place(block_size, dtype, device)
+        # Exact sums with the kernel: every row, decode or prefill, attends its whole context in the
+        # kernel, whose order of sums is the row's own: its bits depend on no path, batch or group.
+        every_row = kernel and self.compute_dtype is not None
+        dtype = self.compute_dtype or dtype
+        groups = [] if every_row else batch.decode_groups
+        decode_rows, grouped, own, prefixes = self._plan_decodes(batch, groups, seq_lens, block_size, num_blocks,
+                                                                 dtype, kernel) if nd else (None, 0, [], [])
+        in_place = []
+        if nd and kernel:
+            first = torch.zeros(nd, dtype=torch.int64, device=device)
+            for group in groups:
+                first[group.start:group.end] = group.prefix_blocks * block_size
+            in_place.append(KernelCall(0, nd, batch.block_tables[:nd], first, batch.seq_lens[:nd]))
         prefills = []
         for b in range(nd, batch.num_seqs):
             start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
             n = end - start
             assert 0 < n <= seq_len, f"chunk of {n} tokens in a sequence of {seq_len}"
+            if every_row:
+                in_place.append(KernelCall(start, end, batch.block_tables[b:b + 1].expand(n, -1),
+                                           torch.zeros(n, dtype=torch.int64, device=device),
+                                           torch.arange(seq_len - n + 1, seq_len + 1, device=device)))
+                continue
             if n == seq_len:
                 prefills.append(PrefillChunk(start, end, None, None))
                 continue
@@ -188,21 +215,15 @@ class PagedAttention:
             mask = _additive(keys[None, :] <= last_visible[:, None], dtype)   # (n, nblk * bs)
             prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, :nblk], planes, num_blocks),
                                          mask))
-        plan = AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills)
-        if in_place:
-            first = torch.zeros(nd, dtype=torch.int64, device=device)
-            for group in batch.decode_groups:
-                first[group.start:group.end] = group.prefix_blocks * block_size
-            plan.decode_first, plan.decode_tables, plan.decode_lens = first, batch.block_tables[:nd], batch.seq_lens[:nd]
-        return plan
+        return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills, in_place)
 
-    def _plan_decodes(self, batch: ForwardBatch, seq_lens: list[int], block_size: int, num_blocks: int,
-                      dtype: torch.dtype, in_place: bool
+    def _plan_decodes(self, batch: ForwardBatch, groups: list[DecodeGroup], seq_lens: list[int], block_size: int,
+                      num_blocks: int, dtype: torch.dtype, in_place: bool
                       ) -> tuple[torch.Tensor | None, int, list[DecodeSegment], list[DecodeSegment]]:
         """The gather rows of every decode segment (one tensor; None if there are none), the number of
         grouped decodes, the own segments and the prefix segments. `in_place`: the kernel reads the
         decodes' own blocks, so there are no own segments and only the prefixes are gathered."""
-        nd, groups, tables = batch.num_decodes, batch.decode_groups, batch.block_tables
+        nd, tables = batch.num_decodes, batch.block_tables
         device = tables.device
         grouped = groups[-1].end if groups else 0
         first_own = [0] * nd                   # each decode's first block after its group's prefix
@@ -246,9 +267,14 @@ class PagedAttention:
         t = q.shape[0]
         h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         out = q.new_empty(t, h * d)                               # (T, H * D), in the model's dtype
+        for call in plan.in_place:
+            self._in_place(q, kv_layer, call, plan, out)
+        gathered_decodes = plan.num_decodes > 0 and not (plan.in_place and plan.in_place[0].start == 0)
+        if not (gathered_decodes or plan.prefills):
+            return out
         if self.compute_dtype is not None:
             q, k, v = q.to(self.compute_dtype), k.to(self.compute_dtype), v.to(self.compute_dtype)
-        if plan.num_decodes:
+        if gathered_decodes:
             self._decodes(q, kv_layer, plan, out)
         for chunk in plan.prefills:
             n = chunk.end - chunk.start
@@ -268,10 +294,7 @@ class PagedAttention:
         """Attention of the decode rows of q (T, H, D) into out (T, H * D): grouped rows by hand (own
         part, then each group's prefix merged in), the others by one SDPA."""
         h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
-        buf = None if plan.decode_rows is None else self._gather(kv_layer, plan.decode_rows)
-        if plan.decode_first is not None:
-            self._in_place(q, kv_layer, plan, buf, out)
-            return
+        buf = self._gather(kv_layer, plan.decode_rows)
         for seg in plan.own:
             n = seg.end - seg.start
             keys = self._blocks(buf, seg.offset, n * seg.blocks).unflatten(2, (n, -1))   # (2, KVH, n, L, D)
@@ -306,21 +329,21 @@ class PagedAttention:
             weight = torch.sigmoid(lse_pre.view(kvh, m, g, 1) - lse[:, seg.start:seg.end])
             o[:, seg.start:seg.end].lerp_(o_pre.view(kvh, m, g, d).to(o.dtype), weight.to(o.dtype))
 
-    def _in_place(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, buf: torch.Tensor | None,
+    def _in_place(self, q: torch.Tensor, kv_layer: torch.Tensor, call: KernelCall, plan: AttentionPlan,
                   out: torch.Tensor) -> None:
-        """Every decode row of q (T, H, D) through the paged kernel (its own blocks, read in place, in
-        float32), then each group's shared prefix merged in; into out (T, H * D)."""
-        nd, grouped = plan.num_decodes, plan.grouped
+        """Rows [call.start, call.end) of q (T, H, D) through the paged kernel (their blocks read in
+        place, in float32) into out (T, H * D); grouped decodes get their group's prefix merged in."""
+        n, grouped = call.end - call.start, plan.grouped if call.start == 0 else 0
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        qf = torch.empty(nd, kvh, g, d)
-        qf.view(nd, kvh * g, d).copy_(q[:nd])
-        o, lse = torch.empty_like(qf), torch.empty(nd, kvh, g)
-        self.kernel(qf, kv_layer, plan.decode_tables, plan.decode_first, plan.decode_lens, d ** -0.5, o, lse)
+        qf = torch.empty(n, kvh, g, d)
+        qf.view(n, kvh * g, d).copy_(q[call.start:call.end])
+        o, lse = torch.empty_like(qf), torch.empty(n, kvh, g)
+        self.kernel(qf, kv_layer, call.tables, call.first, call.lens, d ** -0.5, o, lse)
         if grouped:
             qd = q[:grouped].view(grouped, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)
             self._merge_prefixes(qd, o[:grouped].transpose(0, 1), lse[:grouped].transpose(0, 1).unsqueeze(-1),
-                                 buf, plan.prefixes)
-        out[:nd] = o.view(nd, kvh * g * d)
+                                 self._gather(kv_layer, plan.decode_rows), plan.prefixes)
+        out[call.start:call.end] = o.view(n, kvh * g * d)
 
     def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Copy the block rows `rows` (see _gather_rows) into the scratch buffer, in `compute_dtype`

@@ -113,6 +113,7 @@ class LlamaModel(nn.Module):
         self.layer_steps = (DecoderLayer.attention_inputs, DecoderLayer.after_attention)
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.norm_stat_dtype = torch.float32
+        self.exact_sums = False                                 # set by sum_exactly
         self.head: Projection | None = None                     # set by load_hf_weights
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -159,17 +160,21 @@ class LlamaModel(nn.Module):
         drop the layers' float weights (the head of a tied model packs a copy: the embeddings stay)."""
         if not can_pack(self.embed_tokens):
             return
+        rows = 2 if self.exact_sums else 1          # see PackedLinear.__call__
         for layer in self.layers:
-            layer.projections = {name: PackedLinear.from_dense(p) for name, p in layer.projections.items()}
+            layer.projections = {name: PackedLinear.from_dense(p, rows) for name, p in layer.projections.items()}
             layer.qkv = layer.o = layer.gate_up = layer.down = layer.qkv_bias = layer.o_bias = None
-        self.head = PackedLinear.from_dense(self.head)
+        self.head = PackedLinear.from_dense(self.head, rows)
         self.lm_head = None
 
     def sum_exactly(self) -> None:
-        """`--batch-invariant`: attention and the norms' statistics summed in float64, so a 16-bit
-        model's outputs do not depend on the batch or on the path that made its KV (measured on 25
-        shared-prefix prompts in bf16: 22-23 of 25 greedy outputs equal to one-at-a-time caching
-        off without it, 25 with it). See "Exact attention" in kvstrata.model.attention."""
+        """`--batch-invariant`: attention and the norms' statistics summed in float64 (attention in
+        the paged kernel, whose sums follow the row alone, when it can read the cache), and a lone
+        row padded to two in the packed projections, so a 16-bit model's outputs do not depend on
+        the batch or on the path that made its KV (measured on 25 shared-prefix prompts in bf16:
+        22-23 of 25 greedy outputs equal to one-at-a-time caching off without it, 25 with it). See
+        "Exact attention" in kvstrata.model.attention and `PackedLinear`."""
+        self.exact_sums = True
         self.attn.compute_dtype = torch.float64
         self.norm_stat_dtype = torch.float64
         for layer in self.layers:
