@@ -236,6 +236,36 @@ def test_a_lookup_within_the_engines_wait_is_answered_in_the_step_and_charged_to
     assert executor.take_waited() == 0.0
 
 
+def test_a_store_call_is_sent_after_the_engine_threads_work_so_far_in_the_step():
+    """schedule() copies host hits and encodes evicted records between one admission's store load and
+    the next: a call goes out when the engine thread gets to it, and a lookup's wait counts from then."""
+    clock, posted, busy = VirtualClock(), [], [0.0]
+    clock.now = 3.0
+    store = SimStore()
+    executor = VirtualExecutor(clock, Link(1e-3, 1e9), 100, lambda at, done: posted.append((at, done)),
+                               PROBE_WAIT_S, busy=lambda: busy[0])
+    executor.submit(store.get, [b"a"])
+    busy[0] = 0.25
+    executor.submit(store.get, [b"b"])
+    assert [at for at, _ in posted] == pytest.approx([3.0 + 1e-3 + 1e-7, 3.25 + 1e-3 + 1e-7])
+    assert executor.submit(store.exists, [b"a"]).done() and executor.take_waited() == pytest.approx(1e-3 + 1e-7)
+
+
+def test_a_step_that_only_starts_a_load_keeps_the_engine_busy_while_it_encodes():
+    """C's admission loads A's evicted blocks and evicts B's, whose records the engine thread encodes
+    (0.1 s each) before it steps again: D, arriving meanwhile, joins C's first step as in the engine,
+    rather than running alone in an engine the simulator thought idle."""
+    trace = [TraceRequest(0.0, 1024, 1, (1, 2)), TraceRequest(10.0, 1536, 1, (7, 8, 9)),
+             TraceRequest(20.0, 1536, 1, (1, 2, 3)), TraceRequest(20.06, 256, 1, (11,))]
+    config = SimConfig(block_size=256, device_cache_tokens=2048, store_cache_tokens=None)
+    cost = CostModel(source="t", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.05, 1e12),
+                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=Link(0.1, 1e30))
+    result = Simulator(trace, config, cost).run()
+    a, b, c, d = result.records
+    assert c.cached_tokens == 1024 and result.to_json()["transfers"]["loaded_blocks"]["store"] > 0
+    assert d.first_token == c.first_token and d.ttft > 0.3
+
+
 # ---- engines are timed warm ---------------------------------------------------------------------
 def test_fault_in_kv_maps_every_tier_through_the_shape_recorder_and_keeps_the_zeros():
     """KV buffers come from calloc: untouched pages are not resident until the first write, which
