@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstrata.sim.cost_model import BatchShape, CostModel, Link
+from kvstrata.sim.cost_model import BatchShape, CostModel, Link, causal_pairs
 from kvstrata.hashing import BlockHasher
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.prefix_groups import group_decodes
@@ -41,7 +41,7 @@ def test_batch_shape_by_hand():
     fresh = chunk(0, 100, list(range(7)))
     later = chunk(40, 20, list(range(10, 14)))                   # keys 0..59: 4 blocks, padded to 64
     shape = BatchShape.of([fresh, later], BS)
-    assert shape == BatchShape(prefill_tokens=120, decode_seqs=0, kv_tokens_read=64, attention_pairs=5050,
+    assert shape == BatchShape(prefill_tokens=120, decode_seqs=0, kv_tokens_read=64, attention_pairs=100 * 100,
                                masked_pairs=20 * 64, prefill_chunks=2, decode_groups=0, decode_pairs=0,
                                decode_segments=0, lone_decode_pairs=0)
     shared = list(range(100, 140))                                # 40 blocks every decode holds
@@ -58,6 +58,16 @@ def test_batch_shape_by_hand():
     left = BatchShape.of(grouped + loose[:1], BS)                  # one decode outside the group: alone
     assert left.decode_segments == 2 and left.lone_decode_pairs == 1 * BS
     assert BatchShape.alone(100, 1, BS) == one and BatchShape.alone(40, 20, BS) == BatchShape.of([later], BS)
+
+
+def test_causal_pairs_are_whole_key_tiles_up_to_the_diagonal():
+    """A chunk of up to 512 tokens is one key tile: every pair is computed, masked or not. Longer,
+    its query tiles of 256 (from 768 rows) compute the key tiles of 512 they reach."""
+    assert [causal_pairs(n) for n in (1, 16, 100, 512)] == [1, 16 * 16, 100 * 100, 512 * 512]
+    assert causal_pairs(1024) == 256 * 512 + 256 * 512 + 256 * 1024 + 256 * 1024
+    assert causal_pairs(1000) == 256 * 512 + 256 * 512 + 256 * 1000 + 232 * 1000
+    assert causal_pairs(600) == 512 * 512 + 64 * 600 + 24 * 600          # query tiles of 64
+    assert BatchShape.alone(0, 1000, BS).attention_pairs == causal_pairs(1000)
 
 
 def _planned(chunks: list[SimpleNamespace]) -> tuple[int, int, int]:
