@@ -191,10 +191,24 @@ def test_fitted_on_survives_the_profile_file(tmp_path):
 
 # ---- store records cost engine time -------------------------------------------------------------
 def test_records_encoded_and_decoded_accrue_to_the_step():
-    mover = NullMover(Link(0.0, 1e12), block_bytes=100, record_seconds=0.25)
+    mover = NullMover(Link(0.0, 1e12), block_bytes=100, record_seconds=0.25, decode_seconds=0.5)
     record = mover.encode("device", 0, b"h" * 16, [1])
     mover.decode_into("device", 1, record, b"h" * 16, [1])
-    assert mover.take_seconds() == 0.5 and mover.take_seconds() == 0.0
+    assert mover.take_seconds() == 0.75 and mover.take_seconds() == 0.0
+    same = NullMover(Link(0.0, 1e12), block_bytes=100, record_seconds=0.25)
+    same.decode_into("device", 1, record, b"h" * 16, [1])
+    assert same.take_seconds() == 0.25
+
+
+def test_a_profile_decodes_records_at_its_decode_link_or_else_its_record_link(tmp_path):
+    base = CostModel(source="t", kv_bytes_per_token=10, host_link=Link(0.0, 1e9), store_link=Link(0.0, 1e9),
+                     compute=(0.0,) * 11, record_link=Link(1e-3, 160e3))
+    assert base.record_seconds(16) == base.record_seconds(16, decode=True) == pytest.approx(2e-3)
+    split = CostModel(**{**base.__dict__, "decode_link": Link(0.0, 40e3)})
+    split.save(tmp_path / "p.json")
+    loaded = CostModel.load(tmp_path / "p.json")
+    assert loaded == split and loaded.record_seconds(16) == pytest.approx(2e-3)
+    assert loaded.record_seconds(16, decode=True) == pytest.approx(4e-3)
 
 
 def test_a_store_hit_pays_for_decoding_its_records():

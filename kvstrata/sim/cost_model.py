@@ -15,7 +15,8 @@ Two sources of coefficients, and every profile says which in `source`:
 Moving KV costs `latency + bytes / bandwidth` on a `Link`: device <-> host copies on `host_link`,
 store I/O on `store_link`; a block's bytes come from `kv_bytes_per_token`. Encoding a block's store
 record (before a write) and decoding one (after a load) run in the engine's step loop and cost
-`record_link` each (checksums and copies; None: free, as in profiles made before it was measured).
+`record_link` and `decode_link` each (checksums and copies; None: free, as in profiles made before
+they were measured; a profile without `decode_link` decodes at `record_link`).
 
 A calibrated profile names what it was fitted on (`fitted_on`: the batch grid, and any trace slices
 replayed), so a validation can refuse to call a slice it was fitted on a validation.
@@ -200,7 +201,9 @@ class CostModel:
     memory: tuple[float, ...] = (0.0,) * len(FEATURES)
     overhead_s: float = 0.0
     device_cache_tokens: int | None = None       # what the device holds beside the weights, when known
-    record_link: Link | None = None              # encode or decode one block's store record, in the step
+    record_link: Link | None = None              # encode one block's store record, in the step
+    decode_link: Link | None = None              # decode one (None: as record_link); measured here
+                                                 # 0.10 ms a block against 0.063 to encode
     fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
 
     def __post_init__(self) -> None:
@@ -223,9 +226,10 @@ class CostModel:
     def block_bytes(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
 
-    def record_seconds(self, block_size: int) -> float:
-        """Engine-thread time to encode or decode one block's store record."""
-        return 0.0 if self.record_link is None else self.record_link.seconds(self.block_bytes(block_size))
+    def record_seconds(self, block_size: int, decode: bool = False) -> float:
+        """Engine-thread time to encode (or decode) one block's store record."""
+        link = self.decode_link if decode and self.decode_link is not None else self.record_link
+        return 0.0 if link is None else link.seconds(self.block_bytes(block_size))
 
     # ---- files ----------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -247,6 +251,7 @@ class CostModel:
                    overhead_s=float(data.get("overhead_s", 0.0)),
                    device_cache_tokens=data.get("device_cache_tokens"),
                    record_link=Link(**data["record_link"]) if data.get("record_link") else None,
+                   decode_link=Link(**data["decode_link"]) if data.get("decode_link") else None,
                    fitted_on=tuple(data.get("fitted_on", ())))
 
     def save(self, path: str | Path) -> None:

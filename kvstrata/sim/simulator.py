@@ -233,7 +233,8 @@ class Simulator:
 
     def _engine(self, index: int, cache: CacheConfig, scheduling: SchedulerConfig) -> _Engine:
         block_bytes = self.cost.block_bytes(cache.block_size)
-        mover = NullMover(self.cost.host_link, block_bytes, self.cost.record_seconds(cache.block_size))
+        mover = NullMover(self.cost.host_link, block_bytes, self.cost.record_seconds(cache.block_size),
+                          self.cost.record_seconds(cache.block_size, decode=True))
 
         def post_io(at: float, callback: Callable[[], None]) -> None:
             self._post(at, IO, self._on_io, (index, callback))

@@ -42,12 +42,13 @@ class VirtualClock:
 
 class NullMover:
     """A `BlockMover` that moves no bytes: device <-> host copies accrue `link` time for the step,
-    each record encoded or decoded `record_seconds`."""
+    each record encoded `record_seconds`, each decoded `decode_seconds` (None: the same)."""
 
-    def __init__(self, link: Link, block_bytes: int, record_seconds: float = 0.0):
+    def __init__(self, link: Link, block_bytes: int, record_seconds: float = 0.0, decode_seconds: float | None = None):
         self.link = link
         self.block_bytes = block_bytes
         self.record_seconds = record_seconds
+        self.decode_seconds = record_seconds if decode_seconds is None else decode_seconds
         self._seconds = 0.0
 
     def copy(self, src_tier: str, dst_tier: str, pairs: Sequence[tuple[int, int]]) -> None:
@@ -59,7 +60,7 @@ class NullMover:
 
     def decode_into(self, tier: str, block_id: int, record: bytes, block_hash: BlockHash,
                     token_ids: Sequence[int]) -> None:
-        self._seconds += self.record_seconds
+        self._seconds += self.decode_seconds
         if record != block_hash:
             raise BadRecord("hash")
 
