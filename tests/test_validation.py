@@ -24,8 +24,8 @@ from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExe
 from kvstrata.sim.simulator import SimConfig, Simulator
 from kvstrata.sim.traces import TraceRequest, TraceTokens, shrink
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
-from kvstrata.sim.validation import (FittedOnError, ShapeRecorder, Slice, check_not_fitted_on, fault_in_kv,
-                                     session_lines, slice_identity, spread_ties)
+from kvstrata.sim.validation import (FittedOnError, ShapeRecorder, Slice, TransferWaits, check_not_fitted_on,
+                                     fault_in_kv, session_lines, slice_identity, spread_ties)
 
 BS = 16
 
@@ -288,6 +288,20 @@ def test_a_step_that_only_starts_a_load_keeps_the_engine_busy_while_it_encodes()
     a, b, c, d = result.records
     assert c.cached_tokens == 1024 and result.to_json()["transfers"]["loaded_blocks"]["store"] > 0
     assert d.first_token == c.first_token and d.ttft > 0.3
+
+
+def test_a_step_that_ran_nothing_counts_the_wall_time_it_waited_for_transfers():
+    now, asked = [10.0], []
+
+    def wait_for_transfers(timeout: float) -> None:
+        asked.append(timeout)
+        now[0] += 0.25
+
+    tiers = SimpleNamespace(wait_for_transfers=wait_for_transfers)
+    waits = TransferWaits(tiers, clock=lambda: now[0])
+    tiers.wait_for_transfers(timeout=0.005)
+    tiers.wait_for_transfers(0.005)
+    assert waits.seconds == 0.5 and asked == [0.005, 0.005]
 
 
 # ---- engines are timed warm ---------------------------------------------------------------------

@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 # prefix -> chunks; a short prefix with long chunks is a chat's first turn after a shared system prompt;
 # fresh chunks across 512 tokens pin the causal kernel's key tiles (cost_model.causal_pairs)
-PREFILL_GRID = {0: (16, 128, 256, 512, 768, 1024), 32: (384, 992), 512: (128, 512), 1024: (16, 256, 512), 2048: (64, 256)}
+PREFILL_GRID = {0: (16, 128, 256, 512, 768, 1024), 32: (384, 992), 512: (128, 512), 1024: (16, 256, 512),
+                2048: (64, 256)}
 BURSTS = ((2, 256), (4, 64), (8, 16), (8, 96))                                    # (prompts, tokens each)
 DECODE_GRID = {64: (1, 2, 4, 8, 16, 32), 512: (1, 2, 4, 8), 1024: (1, 2, 4)}       # context -> batch sizes
 DISTINCT_DECODES = {256: (4, 16), 1024: (4, 8)}      # context -> batch sizes, no prefix shared
