@@ -73,7 +73,7 @@ class BatchShape(NamedTuple):
     decode_seqs: int = 0
     kv_tokens_read: int = 0       # KV tokens gathered: decode segments (padded) and their shared
                                   # prefixes, and the blocks of each chunk that continues a sequence
-    attention_pairs: int = 0      # query-key pairs computed for chunks that start their sequence (causal_pairs)
+    attention_pairs: int = 0      # query-key pairs computed for chunks that start a sequence (causal_pairs)
     masked_pairs: int = 0         # query-key pairs of chunks that continue one (masked, padded to blocks)
     prefill_chunks: int = 0
     decode_groups: int = 0        # cascade groups of decodes sharing a prefix
@@ -128,12 +128,13 @@ def causal_pairs(n: int) -> int:
     bf16, 1 thread): counted so, the causal path costs 0.92 us per pair against 0.91 for the
     masked path of a chunk after cached tokens, as it should (the same kernel per pair); counted
     as n (n + 1) / 2, fresh chunks of ~500 tokens fit 6-10% low and 1,024 tokens 2-4% high, and
-    the compromise moved the continued chunks' coefficients (the shipped grid's fit: median error
-    2.5 -> 2.0%, p90 6.4 -> 5.2%).
+    the compromise moved the continued chunks' coefficients (the shipped profile's 170 grid steps
+    refit so: median error 2.5 -> 2.0%, p90 6.4 -> 5.2%).
     """
     tile = next(size for rows, size in QUERY_TILES if n >= rows)
     keys = min(KEY_TILE, n)
-    return sum(min(tile, n - first) * min(-(-min(first + tile, n) // keys) * keys, n) for first in range(0, n, tile))
+    return sum(min(tile, n - first) * min(-(-min(first + tile, n) // keys) * keys, n)
+               for first in range(0, n, tile))
 
 
 class _Chunk(NamedTuple):
@@ -203,7 +204,7 @@ class CostModel:
     device_cache_tokens: int | None = None       # what the device holds beside the weights, when known
     record_link: Link | None = None              # encode one block's store record, in the step
     decode_link: Link | None = None              # decode one (None: as record_link); measured here
-                                                 # 0.10 ms a block against 0.063 to encode
+                                                 # 0.09-0.10 ms a block against 0.05-0.06 to encode
     fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
 
     def __post_init__(self) -> None:

@@ -19,9 +19,9 @@ again and reports the spread: an error inside that spread is noise, not the mode
 
 Steps are timed by the engine thread's CPU time (`--clock cpu`, neighbours do not count); a step
 that runs nothing adds the wall time it blocked waiting for store transfers (`TransferWaits`), the
-time a load really keeps a request waiting. A profile names what it was fitted on (`CostModel.fitted_on`); a slice that
-shares a request with it is refused (`check_not_fitted_on`): that would measure the fit, not the
-model.
+time a load really keeps a request waiting. A profile names what it was fitted on
+(`CostModel.fitted_on`); a slice that shares a request with it is refused (`check_not_fitted_on`):
+that would measure the fit, not the model.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ BLOCK_SIZE = 16
 MAX_CHUNK = 1024                                          # the step token budget of calibration and validation
 SESSION_HORIZON = 4000                                    # requests scanned for sessions after `skip`
 CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
-CLOCK_NAMES = {"cpu": "engine-thread CPU time (plus the wall time a step that ran nothing waited for the store)",
+CLOCK_NAMES = {"cpu": "engine-thread CPU time (and the wall time a step that ran nothing waited for the store)",
                "wall": "wall time"}
 
 
