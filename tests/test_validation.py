@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstrata.sim.cost_model import KERNEL_TILE, BatchShape, CostModel, Link
+from kvstrata.sim.cost_model import KERNEL_TILE, BatchShape, CostModel, Link, causal_pairs
 from kvstrata.hashing import BlockHasher
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.prefix_groups import group_decodes
@@ -24,8 +24,8 @@ from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExe
 from kvstrata.sim.simulator import SimConfig, Simulator
 from kvstrata.sim.traces import TraceRequest, TraceTokens, shrink
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
-from kvstrata.sim.validation import (FittedOnError, ShapeRecorder, Slice, check_not_fitted_on, fault_in_kv,
-                                     session_lines, slice_identity, spread_ties)
+from kvstrata.sim.validation import (FittedOnError, ShapeRecorder, Slice, TransferWaits, check_not_fitted_on,
+                                     fault_in_kv, session_lines, slice_identity, spread_ties)
 
 BS = 16
 
@@ -41,7 +41,7 @@ def test_batch_shape_by_hand():
     fresh = chunk(0, 100, list(range(7)))
     later = chunk(40, 20, list(range(10, 14)))                   # keys 0..59: 4 blocks, padded to 64
     shape = BatchShape.of([fresh, later], BS)
-    assert shape == BatchShape(prefill_tokens=120, decode_seqs=0, kv_tokens_read=64, attention_pairs=5050,
+    assert shape == BatchShape(prefill_tokens=120, decode_seqs=0, kv_tokens_read=64, attention_pairs=100 * 100,
                                masked_pairs=20 * 64, prefill_chunks=2, decode_groups=0, decode_pairs=0,
                                decode_segments=0, lone_decode_pairs=0)
     shared = list(range(100, 140))                                # 40 blocks every decode holds
@@ -58,6 +58,16 @@ def test_batch_shape_by_hand():
     left = BatchShape.of(grouped + loose[:1], BS)                  # one decode outside the group: alone
     assert left.decode_segments == 2 and left.lone_decode_pairs == 1 * BS
     assert BatchShape.alone(100, 1, BS) == one and BatchShape.alone(40, 20, BS) == BatchShape.of([later], BS)
+
+
+def test_causal_pairs_are_whole_key_tiles_up_to_the_diagonal():
+    """A chunk of up to 512 tokens is one key tile: every pair is computed, masked or not. Longer,
+    its query tiles of 256 (from 768 rows) compute the key tiles of 512 they reach."""
+    assert [causal_pairs(n) for n in (1, 16, 100, 512)] == [1, 16 * 16, 100 * 100, 512 * 512]
+    assert causal_pairs(1024) == 256 * 512 + 256 * 512 + 256 * 1024 + 256 * 1024
+    assert causal_pairs(1000) == 256 * 512 + 256 * 512 + 256 * 1000 + 232 * 1000
+    assert causal_pairs(600) == 512 * 512 + 64 * 600 + 24 * 600          # query tiles of 64
+    assert BatchShape.alone(0, 1000, BS).attention_pairs == causal_pairs(1000)
 
 
 def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, int, int]:
@@ -191,10 +201,24 @@ def test_fitted_on_survives_the_profile_file(tmp_path):
 
 # ---- store records cost engine time -------------------------------------------------------------
 def test_records_encoded_and_decoded_accrue_to_the_step():
-    mover = NullMover(Link(0.0, 1e12), block_bytes=100, record_seconds=0.25)
+    mover = NullMover(Link(0.0, 1e12), block_bytes=100, record_seconds=0.25, decode_seconds=0.5)
     record = mover.encode("device", 0, b"h" * 16, [1])
     mover.decode_into("device", 1, record, b"h" * 16, [1])
-    assert mover.take_seconds() == 0.5 and mover.take_seconds() == 0.0
+    assert mover.take_seconds() == 0.75 and mover.take_seconds() == 0.0
+    same = NullMover(Link(0.0, 1e12), block_bytes=100, record_seconds=0.25)
+    same.decode_into("device", 1, record, b"h" * 16, [1])
+    assert same.take_seconds() == 0.25
+
+
+def test_a_profile_decodes_records_at_its_decode_link_or_else_its_record_link(tmp_path):
+    base = CostModel(source="t", kv_bytes_per_token=10, host_link=Link(0.0, 1e9), store_link=Link(0.0, 1e9),
+                     compute=(0.0,) * 11, record_link=Link(1e-3, 160e3))
+    assert base.record_seconds(16) == base.record_seconds(16, decode=True) == pytest.approx(2e-3)
+    split = CostModel(**{**base.__dict__, "decode_link": Link(0.0, 40e3)})
+    split.save(tmp_path / "p.json")
+    loaded = CostModel.load(tmp_path / "p.json")
+    assert loaded == split and loaded.record_seconds(16) == pytest.approx(2e-3)
+    assert loaded.record_seconds(16, decode=True) == pytest.approx(4e-3)
 
 
 def test_a_store_hit_pays_for_decoding_its_records():
@@ -244,6 +268,50 @@ def test_a_lookup_within_the_engines_wait_is_answered_in_the_step_and_charged_to
     executor = VirtualExecutor(clock, Link(1e-4, 1e9), 100, lambda at, done: posted.append((at, done)), PROBE_WAIT_S)
     assert not executor.submit(store.get, [b"a"]).done() and not executor.submit(store.delete, [b"a"]).done()
     assert executor.take_waited() == 0.0
+
+
+def test_a_store_call_is_sent_after_the_engine_threads_work_so_far_in_the_step():
+    """schedule() copies host hits and encodes evicted records between one admission's store load and
+    the next: a call goes out when the engine thread gets to it, and a lookup's wait counts from then."""
+    clock, posted, busy = VirtualClock(), [], [0.0]
+    clock.now = 3.0
+    store = SimStore()
+    executor = VirtualExecutor(clock, Link(1e-3, 1e9), 100, lambda at, done: posted.append((at, done)),
+                               PROBE_WAIT_S, busy=lambda: busy[0])
+    executor.submit(store.get, [b"a"])
+    busy[0] = 0.25
+    executor.submit(store.get, [b"b"])
+    assert [at for at, _ in posted] == pytest.approx([3.0 + 1e-3 + 1e-7, 3.25 + 1e-3 + 1e-7])
+    assert executor.submit(store.exists, [b"a"]).done() and executor.take_waited() == pytest.approx(1e-3 + 1e-7)
+
+
+def test_a_step_that_only_starts_a_load_keeps_the_engine_busy_while_it_encodes():
+    """C's admission loads A's evicted blocks and evicts B's, whose records the engine thread encodes
+    (0.1 s each) before it steps again: D, arriving meanwhile, joins C's first step as in the engine,
+    rather than running alone in an engine the simulator thought idle."""
+    trace = [TraceRequest(0.0, 1024, 1, (1, 2)), TraceRequest(10.0, 1536, 1, (7, 8, 9)),
+             TraceRequest(20.0, 1536, 1, (1, 2, 3)), TraceRequest(20.06, 256, 1, (11,))]
+    config = SimConfig(block_size=256, device_cache_tokens=2048, store_cache_tokens=None)
+    cost = CostModel(source="t", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.05, 1e12),
+                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=Link(0.1, 1e30))
+    result = Simulator(trace, config, cost).run()
+    a, b, c, d = result.records
+    assert c.cached_tokens == 1024 and result.to_json()["transfers"]["loaded_blocks"]["store"] > 0
+    assert d.first_token == c.first_token and d.ttft > 0.3
+
+
+def test_a_step_that_ran_nothing_counts_the_wall_time_it_waited_for_transfers():
+    now, asked = [10.0], []
+
+    def wait_for_transfers(timeout: float) -> None:
+        asked.append(timeout)
+        now[0] += 0.25
+
+    tiers = SimpleNamespace(wait_for_transfers=wait_for_transfers)
+    waits = TransferWaits(tiers, clock=lambda: now[0])
+    tiers.wait_for_transfers(timeout=0.005)
+    tiers.wait_for_transfers(0.005)
+    assert waits.seconds == 0.5 and asked == [0.005, 0.005]
 
 
 # ---- engines are timed warm ---------------------------------------------------------------------

@@ -12,7 +12,7 @@
 then fits `compute` by non-negative least squares on relative error (cost_model.fit). Prompts are
 fresh for every run of the grid, so each repeat has the same shapes; each step keeps its median.
 It also times the engine's device -> host copies (`host_link`), encoding and decoding a block's
-store record (`record_link`) and reading blocks back from a disk store (`store_link`). With `--trace` it
+store record (`record_link`, `decode_link`) and reading blocks back from a disk store (`store_link`). With `--trace` it
 replays trace slices on the engine too and fits their steps as well; the profile's `fitted_on`
 names the grid and every such slice, and `simulate --validate` refuses those slices.
 
@@ -48,8 +48,10 @@ from kvstrata.sim.validation import (BLOCK_SIZE, CLOCKS, MAX_CHUNK, SLICES, Shap
 
 logger = logging.getLogger(__name__)
 
-# prefix -> chunks; a short prefix with long chunks is a chat's first turn after a shared system prompt
-PREFILL_GRID = {0: (16, 128, 512, 1024), 32: (384, 992), 512: (128, 512), 1024: (16, 256, 512), 2048: (64, 256)}
+# prefix -> chunks; a short prefix with long chunks is a chat's first turn after a shared system prompt;
+# fresh chunks across 512 tokens pin the causal kernel's key tiles (cost_model.causal_pairs)
+PREFILL_GRID = {0: (16, 128, 256, 512, 768, 1024), 32: (384, 992), 512: (128, 512), 1024: (16, 256, 512),
+                2048: (64, 256)}
 BURSTS = ((2, 256), (4, 64), (8, 16), (8, 96))                                    # (prompts, tokens each)
 DECODE_GRID = {64: (1, 2, 4, 8, 16, 32), 512: (1, 2, 4, 8), 1024: (1, 2, 4)}       # context -> batch sizes
 DISTINCT_DECODES = {256: (4, 16), 1024: (4, 8)}      # context -> batch sizes, no prefix shared
@@ -136,9 +138,10 @@ def _link(one: float, many: float, block_bytes: int, blocks: int = 32) -> Link:
     return Link(latency_s=max(0.0, one - block_bytes / bandwidth), bandwidth=bandwidth)
 
 
-def _transfer_links(engine, timer: Callable[[], float]) -> tuple[Link, Link, Link]:
+def _transfer_links(engine, timer: Callable[[], float]) -> tuple[Link, Link, Link, Link]:
     """The engine's own device -> host block copies (one block, then 32: latency and bandwidth);
-    the time to encode and decode one block's store record (a bandwidth over the block's bytes);
+    the time to encode one block's store record and to decode one (a bandwidth over the block's
+    bytes each: decoding checks and copies more, 0.10 against 0.063 ms here);
     a disk store's loads of such records while the engine steps (`_store_link`)."""
     buffers = engine.runner.buffers
     block_bytes = engine.runner.spec.bytes_per_block
@@ -151,7 +154,8 @@ def _transfer_links(engine, timer: Callable[[], float]) -> tuple[Link, Link, Lin
     store = _store_link(record, lambda: _decode_step(engine))
     while engine.has_work:              # what comes next (the speed probe) finds the engine idle
         engine.step()
-    return _link(one, many, block_bytes), Link(latency_s=0.0, bandwidth=block_bytes / ((encode + decode) / 2)), store
+    return (_link(one, many, block_bytes), Link(latency_s=0.0, bandwidth=block_bytes / encode),
+            Link(latency_s=0.0, bandwidth=block_bytes / decode), store)
 
 
 def _decode_step(engine) -> None:
@@ -237,7 +241,7 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
         raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
     seconds = [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
     spec = recorder.runner.spec
-    host_link, record_link, store_link = _transfer_links(engine, CLOCKS[clock])
+    host_link, record_link, decode_link, store_link = _transfer_links(engine, CLOCKS[clock])
     probe = speed_probe(engine, CLOCKS[clock])
     fitted_on = [{"kind": "grid", "steps": len(shapes), "repeat": repeat, "probe_s": round(probe, 6),
                   "loadavg": loadavg(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -245,7 +249,8 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
                   "decode": {str(k): v for k, v in DECODE_GRID.items()},
                   "distinct_decodes": {str(k): v for k, v in DISTINCT_DECODES.items()}, "mixed": MIXED}]
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
-                   store_link=store_link, record_link=record_link, decode_in_place=recorder.runner.decodes_in_place,
+                   store_link=store_link, record_link=record_link, decode_link=decode_link,
+                   decode_in_place=recorder.runner.decodes_in_place,
                    source=(f"calibrated on {machine or machine_name()}, {datetime.date.today().isoformat()}, model "
                            f"{engine.loaded.name} ({engine.loaded.dtype}, {threads or 'default'} threads), "
                            f"{len(shapes)} grid steps x {repeat} runs{' + trace slices ' + ','.join(slices) if slices else ''}"

@@ -9,7 +9,9 @@ that serves requests:
                charges for its batch plus its device <-> host copies and the store lookups
                schedule() waited for (stand_ins.VirtualExecutor); when it ends, update() gets
                one sampled token per sampling chunk (requests stop at their trace output length)
-               and the next step starts at once
+               and the next step starts at once; a step that computes nothing but copied or
+               encoded blocks (an admission that only started loads) lasts that work, as the
+               engine's schedule() does
     store I/O  lookups, loads and writes complete when their transfer would have (stand_ins), so
                requests wait in LOADING and blocks stay IN_FLIGHT as in the engine
 
@@ -231,12 +233,14 @@ class Simulator:
 
     def _engine(self, index: int, cache: CacheConfig, scheduling: SchedulerConfig) -> _Engine:
         block_bytes = self.cost.block_bytes(cache.block_size)
-        mover = NullMover(self.cost.host_link, block_bytes, self.cost.record_seconds(cache.block_size))
+        mover = NullMover(self.cost.host_link, block_bytes, self.cost.record_seconds(cache.block_size),
+                          self.cost.record_seconds(cache.block_size, decode=True))
 
         def post_io(at: float, callback: Callable[[], None]) -> None:
             self._post(at, IO, self._on_io, (index, callback))
 
-        executor = VirtualExecutor(self.clock, self.cost.store_link, block_bytes, post_io, PROBE_WAIT_S)
+        executor = VirtualExecutor(self.clock, self.cost.store_link, block_bytes, post_io, PROBE_WAIT_S,
+                                   busy=lambda: mover.accrued)
         tiers = TierManager(cache, cache.num_device_blocks, cache.num_host_blocks, store=self.store, mover=mover,
                             executor=executor, clock=self.clock, probe_wait=0)     # the executor answers in time
         return _Engine(index, Scheduler(scheduling, tiers), tiers, mover, executor)
@@ -297,14 +301,15 @@ class Simulator:
 
     def _start_step(self, engine: _Engine) -> None:
         output = engine.scheduler.schedule()
-        waited = engine.executor.take_waited()
-        if output.is_empty:
+        seconds = engine.mover.take_seconds() + engine.executor.take_waited()
+        if output.is_empty and not seconds:
             if engine.tiers.has_transfers:          # come back by the time any pending transfer times out
                 self._wake(engine, self.clock.now + self.config.store_timeout)
             return
-        engine.output = output
-        shape = BatchShape.of(output.chunks, self.config.block_size, self.cost.decode_in_place)
-        seconds = self.cost.step_seconds(shape) + engine.mover.take_seconds() + waited
+        engine.output = output                      # a step that only started loads still took its copies' time
+        if not output.is_empty:
+            seconds += self.cost.step_seconds(BatchShape.of(output.chunks, self.config.block_size,
+                                                            self.cost.decode_in_place))
         self._post(self.clock.now + seconds, STEP, self._end_step, engine)
 
     def _end_step(self, engine: _Engine) -> None:
@@ -324,7 +329,7 @@ class Simulator:
             self._finished += 1
             if self.progress is not None:
                 self.progress(self._finished, len(records))
-        engine.steps += 1
+        engine.steps += bool(output.chunks)
         if self.config.audit:
             engine.scheduler.audit()
             self._audited += 1

@@ -9,6 +9,7 @@ The real `TierManager` runs unchanged on top of them:
   Its records are the block hashes themselves. One instance serves a whole fleet.
 - `VirtualExecutor` runs each store call when its transfer would have ended, so store lookups
   and loads take virtual time and requests sit in LOADING, blocks IN_FLIGHT, as in the engine.
+  A call leaves when the engine thread gets to it, after the copies and encodes of its step so far.
   A lookup the engine would have waited for (it ends within `PROBE_WAIT_S`) is answered at once
   and its wait accrues to the step, as the engine's plan() waits for it in the step: otherwise
   every request that looks up the store lost a step to the simulator (the sessions slice past
@@ -41,12 +42,13 @@ class VirtualClock:
 
 class NullMover:
     """A `BlockMover` that moves no bytes: device <-> host copies accrue `link` time for the step,
-    each record encoded or decoded `record_seconds`."""
+    each record encoded `record_seconds`, each decoded `decode_seconds` (None: the same)."""
 
-    def __init__(self, link: Link, block_bytes: int, record_seconds: float = 0.0):
+    def __init__(self, link: Link, block_bytes: int, record_seconds: float = 0.0, decode_seconds: float | None = None):
         self.link = link
         self.block_bytes = block_bytes
         self.record_seconds = record_seconds
+        self.decode_seconds = record_seconds if decode_seconds is None else decode_seconds
         self._seconds = 0.0
 
     def copy(self, src_tier: str, dst_tier: str, pairs: Sequence[tuple[int, int]]) -> None:
@@ -58,9 +60,15 @@ class NullMover:
 
     def decode_into(self, tier: str, block_id: int, record: bytes, block_hash: BlockHash,
                     token_ids: Sequence[int]) -> None:
-        self._seconds += self.record_seconds
+        self._seconds += self.decode_seconds
         if record != block_hash:
             raise BadRecord("hash")
+
+    @property
+    def accrued(self) -> float:
+        """Copy and record time accrued since the last `take_seconds`: the engine thread's time so far
+        in the step being scheduled."""
+        return self._seconds
 
     def take_seconds(self) -> float:
         """Copy time accrued since the last call."""
@@ -126,26 +134,36 @@ class VirtualExecutor:
     latency only. `post(time, callback)` hands the completion to the event loop. An `exists` (a
     lookup) that ends within `lookup_wait` completes before `submit` returns, its wait noted for
     `take_waited`.
+
+    A call is sent when the engine thread gets to it: after the copies and record encodes
+    `busy()` says the step being scheduled has made so far, and the lookups it waited for. The
+    engine's schedule() does that work between one admission's store load and the next (a host
+    hit copied, evictions offloaded and encoded): in a validation replay the second of two loads
+    admitted in one step left 10 ms after the first, and the step that started them polled both
+    landed; sent at one instant, the simulator polled the first alone.
     """
 
-    def __init__(self, clock: VirtualClock, link: Link, block_bytes: int, post: Post, lookup_wait: float = 0.0):
+    def __init__(self, clock: VirtualClock, link: Link, block_bytes: int, post: Post, lookup_wait: float = 0.0,
+                 busy: Callable[[], float] = lambda: 0.0):
         self.clock = clock
         self.link = link
         self.block_bytes = block_bytes
         self.post = post
         self.lookup_wait = lookup_wait
+        self.busy = busy
         self._link_free_at = 0.0
         self._waited = 0.0
 
     def submit(self, fn: Callable, /, *args) -> Future:
         name = getattr(fn, "__name__", "")
         nbytes = self.block_bytes * len(args[0]) if name in ("get", "put") else 0
-        start = max(self.clock.now, self._link_free_at)
+        sent = self.clock.now + self.busy() + self._waited
+        start = max(sent, self._link_free_at)
         self._link_free_at = start + nbytes / self.link.bandwidth
         end = start + self.link.seconds(nbytes)
         future: Future = Future()
-        if name == "exists" and end <= self.clock.now + self.lookup_wait:
-            self._waited += end - self.clock.now
+        if name == "exists" and end <= sent + self.lookup_wait:
+            self._waited += end - sent
             _complete(future, fn, args)
         else:
             self.post(end, lambda: _complete(future, fn, args))
