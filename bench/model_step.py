@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler op table per run")
     parser.add_argument("--compile", action="store_true", help="also time each model with --compile")
     parser.add_argument("--hf", action="store_true", help="also time transformers' decode step")
+    parser.add_argument("--batch-invariant", action="store_true", help="load the models with --batch-invariant")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.profile:
@@ -147,8 +148,10 @@ def main() -> None:
     for name, compile_ in [(n, c) for n in args.dtypes for c in (False, True) if c <= args.compile]:
         dtype, quantization = WEIGHTS[name]
         start = time.perf_counter()
-        loaded = load_model(ModelConfig(dtype=dtype, device="cpu", quantization=quantization, compile=compile_))
+        loaded = load_model(ModelConfig(dtype=dtype, device="cpu", quantization=quantization, compile=compile_,
+                                        batch_invariant=args.batch_invariant))
         name = f"{name}+c" if compile_ else name
+        name = f"{name}/bi" if args.batch_invariant else name
         if compile_:
             print(f"{name}: loaded and compiled in {time.perf_counter() - start:.1f} s")
         spec = KVCacheSpec.for_model(loaded.arch, BLOCK, loaded.dtype)
