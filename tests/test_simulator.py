@@ -27,7 +27,7 @@ REAL_TRACE = Path(__file__).parent.parent.parent / "shared/data/traces/conversat
 def fixed_cost(step=0.01, per_prefill_token=0.001, per_decode=0.002, store=Link(0.5, 1e12)) -> CostModel:
     """step = 10 ms + 1 ms per prefill token + 2 ms per decode; host copies free; store loads 0.5 s."""
     return CostModel(source="test: fixed", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=store,
-                     compute=(step, per_prefill_token, per_decode, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+                     compute=(step, per_prefill_token, per_decode, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
 
 
 def synthetic_trace(path: Path, sessions: int = 40, turns: int = 5, gap_ms: int = 700, seed: int = 0,
@@ -108,9 +108,10 @@ def test_read_mooncake_refuses_a_line_whose_ids_do_not_cover_its_input(tmp_path)
 # ---- cost model ---------------------------------------------------------------------------------
 def test_fit_recovers_known_coefficients_and_profiles_round_trip(tmp_path):
     truth = CostModel(source="truth", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.5, 1e12),
-                      compute=(0.01, 0.001, 0.002, 1e-6, 3e-8, 5e-8, 0.004, 0.003, 2e-7, 0.005, 1e-7))
+                      compute=(0.01, 0.001, 0.002, 1e-6, 3e-8, 5e-8, 0.004, 0.003, 2e-7, 0.005, 1e-7, 6e-8))
     shapes = [BatchShape(p, d, c * p + d * context, (1 - c) * p * p // 2, c * p * (p + context), k, d // 8,
-                         d * context * (1 + d // 8), min(d, 1 + d // 8), context if d == 1 else 0)
+                         d * context * (1 + d // 8), min(d, 1 + d // 8), context if d == 1 else 0,
+                         (d // 8) * context * (k + c))
               for p in (0, 16, 256, 1024) for d in (0, 1, 8, 32) for context in (100, 1000) for c in (0, 1)
               for k in (1, 3) if p or d]
     fitted = fit(shapes, [truth.step_seconds(s) for s in shapes], source="test", kv_bytes_per_token=1,

@@ -43,14 +43,15 @@ def test_batch_shape_by_hand():
     shape = BatchShape.of([fresh, later], BS)
     assert shape == BatchShape(prefill_tokens=120, decode_seqs=0, kv_tokens_read=64, attention_pairs=100 * 100,
                                masked_pairs=20 * 64, prefill_chunks=2, decode_groups=0, decode_pairs=0,
-                               decode_segments=0, lone_decode_pairs=0)
+                               decode_segments=0, lone_decode_pairs=0, prefix_pairs=0)
     shared = list(range(100, 140))                                # 40 blocks every decode holds
     grouped = [chunk(40 * BS + 3, 1, shared + [200 + i]) for i in range(3)]
     loose = [chunk(9, 1, [300]), chunk(29, 1, [301, 302])]         # 1 and 2 blocks: padded to 2 each
     shape = BatchShape.of(grouped + loose, BS)
     assert shape.decode_groups == 1 and shape.decode_seqs == 5 and shape.decode_segments == 2
     assert shape.kv_tokens_read == (40 + 3 * 1 + 2 * 2) * BS       # the prefix once, own blocks, padding
-    assert shape.decode_pairs == (3 * 40 + 3 * 1 + 2 * 2) * BS     # but attended by each of the 3
+    assert shape.prefix_pairs == 3 * 40 * BS                       # but attended by each of the 3
+    assert shape.decode_pairs == (3 * 1 + 2 * 2) * BS
     assert shape.lone_decode_pairs == 0                            # 3 grouped, 2 batched
     one = BatchShape.of([chunk(100, 1, list(range(7)))], BS)
     assert (one.kv_tokens_read, one.decode_pairs, one.decode_segments, one.lone_decode_pairs) == (7 * BS, 7 * BS, 1,
@@ -70,11 +71,11 @@ def test_causal_pairs_are_whole_key_tiles_up_to_the_diagonal():
     assert BatchShape.alone(0, 1000, BS).attention_pairs == causal_pairs(1000)
 
 
-def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, int, int]:
+def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, int, int, int]:
     """Tokens PagedAttention gathers for these chunks, planned exactly as the runner plans a step;
-    tokens its decode attention covers (each row's own segment or, in place, its 16-key tiles;
-    each group's prefix per member); its decode attention calls; tokens attended by calls for
-    one decode."""
+    tokens its decode attention covers (each row's own segment or, in place, its 16-key tiles);
+    its decode attention calls; tokens attended by calls for one decode; tokens of the groups'
+    prefixes, per member."""
     decodes = [c for c in chunks if c.num_tokens == 1]
     order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes], BS)
     ordered = [decodes[i] for i in order] + [c for c in chunks if c.num_tokens != 1]
@@ -87,13 +88,14 @@ def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, i
     planes = 2 * 3
     rows = 0 if plan.decode_rows is None else plan.decode_rows.shape[0]
     rows += sum(p.rows.shape[0] for p in plan.prefills if p.rows is not None)
-    attended = sum((seg.end - seg.start) * seg.blocks * BS for seg in plan.own + plan.prefixes)
+    prefixes = sum((seg.end - seg.start) * seg.blocks * BS for seg in plan.prefixes)
     if not in_place:
+        own = sum((seg.end - seg.start) * seg.blocks * BS for seg in plan.own)
         lone = sum(seg.blocks * BS for seg in plan.own if seg.end - seg.start == 1)
-        return rows // planes * BS, attended, len(plan.own), lone
+        return rows // planes * BS, own, len(plan.own), lone, prefixes
     tile, (call,) = KERNEL_TILE, plan.in_place
     kernel = sum(-(-int(n) // tile) * tile - int(f) // tile * tile for f, n in zip(call.first, call.lens))
-    return rows // planes * BS, attended + kernel, 1, kernel if len(decodes) == 1 else 0
+    return rows // planes * BS, kernel, 1, kernel if len(decodes) == 1 else 0, prefixes
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
@@ -113,8 +115,8 @@ def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case, in_pl
                   + [chunk(70, 1, [700, 701, 702, 703, 704])]
                   + [chunk(0, 50, [800, 801, 802, 803]), chunk(33, 64, [900 + i for i in range(7)])])
     shape = BatchShape.of(chunks, BS, in_place)
-    assert (shape.kv_tokens_read, shape.decode_pairs, shape.decode_segments, shape.lone_decode_pairs) == \
-        _planned(chunks, in_place)
+    assert (shape.kv_tokens_read, shape.decode_pairs, shape.decode_segments, shape.lone_decode_pairs,
+            shape.prefix_pairs) == _planned(chunks, in_place)
 
 
 # ---- shrunk traces and slices -------------------------------------------------------------------
@@ -157,7 +159,7 @@ def test_sessions_slice_config_has_every_tier():
 # ---- what a profile was fitted on ---------------------------------------------------------------
 def _profile(fitted_on=()) -> CostModel:
     return CostModel(source="test", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.0, 1e12),
-                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), fitted_on=tuple(fitted_on))
+                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), fitted_on=tuple(fitted_on))
 
 
 def _trace(path: Path, n: int = 30) -> Path:
@@ -212,7 +214,7 @@ def test_records_encoded_and_decoded_accrue_to_the_step():
 
 def test_a_profile_decodes_records_at_its_decode_link_or_else_its_record_link(tmp_path):
     base = CostModel(source="t", kv_bytes_per_token=10, host_link=Link(0.0, 1e9), store_link=Link(0.0, 1e9),
-                     compute=(0.0,) * 11, record_link=Link(1e-3, 160e3))
+                     compute=(0.0,) * 12, record_link=Link(1e-3, 160e3))
     assert base.record_seconds(16) == base.record_seconds(16, decode=True) == pytest.approx(2e-3)
     split = CostModel(**{**base.__dict__, "decode_link": Link(0.0, 40e3)})
     split.save(tmp_path / "p.json")
@@ -230,7 +232,7 @@ def test_a_store_hit_pays_for_decoding_its_records():
 
     def run(record_link):
         cost = CostModel(source="t", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.5, 1e12),
-                         compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=record_link)
+                         compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=record_link)
         return Simulator(trace, config, cost).run()
 
     free, paid = run(None), run(Link(1e-3, 1e30))
@@ -293,7 +295,7 @@ def test_a_step_that_only_starts_a_load_keeps_the_engine_busy_while_it_encodes()
              TraceRequest(20.0, 1536, 1, (1, 2, 3)), TraceRequest(20.06, 256, 1, (11,))]
     config = SimConfig(block_size=256, device_cache_tokens=2048, store_cache_tokens=None)
     cost = CostModel(source="t", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.05, 1e12),
-                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=Link(0.1, 1e30))
+                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), record_link=Link(0.1, 1e30))
     result = Simulator(trace, config, cost).run()
     a, b, c, d = result.records
     assert c.cached_tokens == 1024 and result.to_json()["transfers"]["loaded_blocks"]["store"] > 0

@@ -2,7 +2,7 @@
 
     step_seconds = overhead_s + max(compute . x, memory . x)
     x = (1, prefill_tokens, decode_seqs, kv_tokens_read, attention_pairs, masked_pairs, prefill_chunks,
-         decode_groups, decode_pairs, decode_segments, lone_decode_pairs)            (BatchShape)
+         decode_groups, decode_pairs, decode_segments, lone_decode_pairs, prefix_pairs)   (BatchShape)
 
 Two sources of coefficients, and every profile says which in `source`:
 - *calibrated*: a non-negative least-squares fit of the real engine's step times over a grid of
@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 KERNEL_TILE = 16   # keys the paged decode kernel attends at a time (W in kvstrata/model/csrc/paged_attention.cpp)
 FEATURES = ("step", "prefill_tokens", "decode_seqs", "kv_tokens_read", "attention_pairs", "masked_pairs",
-            "prefill_chunks", "decode_groups", "decode_pairs", "decode_segments", "lone_decode_pairs")
+            "prefill_chunks", "decode_groups", "decode_pairs", "decode_segments", "lone_decode_pairs",
+            "prefix_pairs")
 
 
 class BatchShape(NamedTuple):
@@ -55,8 +56,9 @@ class BatchShape(NamedTuple):
       sharing prefix blocks (cascade attention, `group_decodes`) reads that prefix once, at a
       fixed cost per group (its attention is written out, not one SDPA, plus a merge, every layer).
     Decode attention is its own work beside the gather: one query row per decode against every key
-    of its segment (padded) and of its group's prefix (`decode_pairs`; a shared prefix is read once
-    but attended by each member), in one batched call per segment and layer (`decode_segments`: a
+    of its segment (padded; `decode_pairs`) and of its group's prefix (`prefix_pairs`: a shared
+    prefix is read once but attended by each member, in one matmul per group, cheaper per pair
+    than a decode's own keys), in one batched call per segment and layer (`decode_segments`: a
     decode step pays that fixed cost, a step of prefills alone does not). Before them a decode's
     attention was priced only as a gather of its keys, and a roofline profile charged it no FLOPs;
     refit on the same calibration steps of this CPU they move the fit by under 1% (its decode
@@ -83,9 +85,10 @@ class BatchShape(NamedTuple):
     masked_pairs: int = 0         # query-key pairs of chunks that continue one (masked, padded to blocks)
     prefill_chunks: int = 0
     decode_groups: int = 0        # cascade groups of decodes sharing a prefix
-    decode_pairs: int = 0         # query-key pairs of decode attention: padded segments, each group's prefix per member
+    decode_pairs: int = 0         # query-key pairs of decodes' own keys: padded segments (in place: 16-key tiles)
     decode_segments: int = 0      # batched decode attention calls per layer: grouped decodes, the others
     lone_decode_pairs: int = 0    # of decode_pairs, those of a segment of one decode
+    prefix_pairs: int = 0         # query-key pairs of groups' shared prefixes, once per member
 
     @classmethod
     def of(cls, chunks: Iterable, block_size: int, in_place: bool = False) -> BatchShape:
@@ -107,7 +110,7 @@ class BatchShape(NamedTuple):
                 masked += n * keys
         work = _decode_work(decodes, block_size, in_place)
         return cls(prefill, len(decodes), kv + work.reads, fresh, masked, count, work.groups, work.pairs,
-                   work.segments, work.lone_pairs)
+                   work.segments, work.lone_pairs, work.prefix_pairs)
 
     @classmethod
     def alone(cls, start: int, n: int, block_size: int, in_place: bool = False) -> BatchShape:
@@ -154,9 +157,10 @@ class _Chunk(NamedTuple):
 class _DecodeWork(NamedTuple):
     reads: int          # KV tokens gathered
     groups: int
-    pairs: int
+    pairs: int          # of decodes' own keys
     segments: int
     lone_pairs: int     # pairs of segments of one decode
+    prefix_pairs: int   # of groups' shared prefixes, per member
 
 
 def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeWork:
@@ -164,12 +168,12 @@ def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeW
     its longest member, shared prefixes once; in place: the prefixes only), cascade groups,
     query-key pairs attended (each prefix once per member) and batched attention segments."""
     if not decodes:
-        return _DecodeWork(0, 0, 0, 0, 0)
+        return _DecodeWork(0, 0, 0, 0, 0, 0)
     seq_lens = [d.start + 1 for d in decodes]
     blocks = [-(-n // block_size) for n in seq_lens]
     if len(decodes) < 2:
         keys = -(-seq_lens[0] // KERNEL_TILE) * KERNEL_TILE if in_place else blocks[0] * block_size
-        return _DecodeWork(0 if in_place else keys, 0, keys, 1, keys)
+        return _DecodeWork(0 if in_place else keys, 0, keys, 1, keys, 0)
     order, groups = group_decodes([d.block_ids for d in decodes], seq_lens, block_size)
     grouped = groups[-1].end if groups else 0
     own = [0] * len(decodes)                     # blocks each row reads itself, in batch order
@@ -184,12 +188,12 @@ def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeW
     if in_place:
         tiles = sum(-(-seq_lens[order[row]] // KERNEL_TILE) - own_first // KERNEL_TILE
                     for row, own_first in enumerate(_own_first_keys(groups, len(decodes), block_size)))
-        return _DecodeWork(shared * block_size, len(groups), tiles * KERNEL_TILE + shared_pairs * block_size, 1, 0)
+        return _DecodeWork(shared * block_size, len(groups), tiles * KERNEL_TILE, 1, 0, shared_pairs * block_size)
     segments = [(start, end) for start, end in ((0, grouped), (grouped, len(decodes))) if end > start]
     padded = sum((end - start) * max(own[start:end]) for start, end in segments)
     lone = sum(own[start] for start, end in segments if end - start == 1)
-    return _DecodeWork((padded + shared) * block_size, len(groups), (padded + shared_pairs) * block_size,
-                       len(segments), lone * block_size)
+    return _DecodeWork((padded + shared) * block_size, len(groups), padded * block_size, len(segments),
+                       lone * block_size, shared_pairs * block_size)
 
 
 def _own_first_keys(groups: Sequence, count: int, block_size: int) -> list[int]:
@@ -235,14 +239,14 @@ class CostModel:
 
     def step_seconds(self, shape: BatchShape) -> float:
         """Unrolled: the simulator asks once per step, millions of times per trace."""
-        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10 = self.compute
-        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10 = self.memory
-        p, d, kv, pairs, masked, chunks, groups, dpairs, segments, lone = shape
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11 = self.compute
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11 = self.memory
+        p, d, kv, pairs, masked, chunks, groups, dpairs, segments, lone, prefix = shape
         return self.overhead_s + max(
             c0 + c1 * p + c2 * d + c3 * kv + c4 * pairs + c5 * masked + c6 * chunks + c7 * groups + c8 * dpairs
-            + c9 * segments + c10 * lone,
+            + c9 * segments + c10 * lone + c11 * prefix,
             m0 + m1 * p + m2 * d + m3 * kv + m4 * pairs + m5 * masked + m6 * chunks + m7 * groups + m8 * dpairs
-            + m9 * segments + m10 * lone)
+            + m9 * segments + m10 * lone + m11 * prefix)
 
     def block_bytes(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
@@ -392,9 +396,9 @@ def roofline(hardware: str, model: str) -> CostModel:
     bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
     per_token = 2 * spec.params / flops
     pair = spec.attention_flops_per_pair / flops
-    compute = (0.0, per_token, per_token, 0.0, pair, pair, 0.0, 0.0, pair, 0.0, 0.0)
+    compute = (0.0, per_token, per_token, 0.0, pair, pair, 0.0, 0.0, pair, 0.0, 0.0, pair)
     memory = (spec.weight_bytes / bandwidth, 0.0, 0.0, spec.kv_bytes_per_token / bandwidth, 0.0, 0.0, 0.0, 0.0,
-              0.0, 0.0, 0.0)
+              0.0, 0.0, 0.0, 0.0)
     kv_memory = hw.memory_bytes * 0.9 - spec.weight_bytes
     if kv_memory <= 0:
         raise ValueError(f"{model} does not fit in the memory of {hardware}")
