@@ -69,6 +69,8 @@ class ModelRunner:
         # whether decodes read their own blocks in place (the paged kernel) or gather them: the
         # simulator's cost model counts a step's work one way or the other
         self.decodes_in_place = self.model.attn.reads_in_place(self.block_size, loaded.dtype, self.device)
+        logger.info("decode attention: %s", "the paged kernel, blocks read in place" if self.decodes_in_place
+                    else "blocks gathered, then torch's SDPA")
         logger.info("KV cache: %d device blocks of %d tokens (%.1f MiB), %d host blocks (%.1f MiB)",
                     self.num_device_blocks, self.block_size, self.kv.nbytes / 2**20, self.num_host_blocks,
                     self.num_host_blocks * self.spec.bytes_per_block / 2**20)
