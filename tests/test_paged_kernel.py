@@ -96,3 +96,20 @@ def test_without_the_kernel_decodes_are_gathered(monkeypatch):
 
 def test_the_simulator_counts_the_kernel_tile(kernel):
     assert kernel.lanes == KERNEL_TILE
+
+
+def test_exact_attention_in_the_kernel_enters_the_fingerprint(kernel, monkeypatch):
+    """Exact sums give other last bits in the kernel than in float64, so engines with and without the
+    kernel never share KV under them; plain bf16 (not exact either way) keeps one fingerprint."""
+    import kvstrata.model.attention as attention
+    from kvstrata.config import ModelConfig
+    from kvstrata.model.loader import load_model
+
+    def fingerprints():
+        return [load_model(ModelConfig(dtype="bfloat16", device="cpu", batch_invariant=exact)).fingerprint
+                for exact in (True, False)]
+
+    with_kernel = fingerprints()
+    monkeypatch.setattr(attention, "paged_decode", lambda: None)
+    without = fingerprints()
+    assert with_kernel[0] != without[0] and with_kernel[1] == without[1]

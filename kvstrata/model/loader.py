@@ -183,6 +183,11 @@ def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dty
     if exact_sums:
         identity["exact_sums"] = True
         model.sum_exactly()
+    # Exact attention (int8, exact sums) gives other last bits in the paged kernel than in float64:
+    # an engine without the kernel (no compiler) must not serve a kernel engine's KV, or the reverse.
+    if (exact_sums or quantization == "int8") and model.attn.kernel is not None and \
+            model.attn.kernel.supports(dtype, model.attn.group, arch.head_dim, 16, device):
+        identity["attention"] = "paged-kernel"
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     if quantization == "int8":
         load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_root(), fingerprint))
