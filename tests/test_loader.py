@@ -229,9 +229,10 @@ def test_smollm2_tensors_match_transformers_own_gguf_loader(monkeypatch):
     monkeypatch.delenv("KVSTRATA_CACHE_DIR")         # reuse the conversion of the default cache
     from safetensors.torch import load_file
 
-    from kvstrata.model.loader import cache_root
+    from kvstrata.config import cache_dir
+
     path = default_model_path()
-    folder = gguf_convert.ensure_converted(path, cache_root(), file_sha256(path))
+    folder = gguf_convert.ensure_converted(path, cache_dir(), file_sha256(path))
     ours = load_file(folder / "model.safetensors")
     config = LlamaConfig(**load_gguf_checkpoint(str(path))["config"])
     with torch.device("meta"):

@@ -94,6 +94,22 @@ def test_without_the_kernel_decodes_are_gathered(monkeypatch):
         kernels.paged_decode.cache_clear()
 
 
+def test_a_failing_build_leaves_the_torch_path_and_says_why(monkeypatch, tmp_path, caplog):
+    """A compiler that fails (here `false`) and one that is missing: no kernel, a warning, nothing cached."""
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path))
+    for compiler in ("false", str(tmp_path / "no-such-g++")):
+        monkeypatch.setenv("CXX", compiler)
+        kernels.paged_decode.cache_clear()
+        try:
+            with caplog.at_level("WARNING", logger=kernels.__name__):
+                assert kernels.paged_decode() is None
+        finally:
+            kernels.paged_decode.cache_clear()
+        assert "paged attention kernel unavailable" in caplog.text
+        caplog.clear()
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
 def test_the_simulator_counts_the_kernel_tile(kernel):
     assert kernel.lanes == KERNEL_TILE
 

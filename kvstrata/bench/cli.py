@@ -117,11 +117,12 @@ def _decoder(args: argparse.Namespace) -> Callable[[Sequence[int]], str] | None:
 
 def default_model_folder() -> Path:
     """The HF-format folder kvstrata converts its default GGUF into (weights, config, tokenizer)."""
+    from kvstrata.config import cache_dir
     from kvstrata.model import gguf_convert
-    from kvstrata.model.loader import cache_root, default_model_path, file_sha256
+    from kvstrata.model.loader import default_model_path, file_sha256
 
     path = default_model_path()
-    return gguf_convert.ensure_converted(path, cache_root(), file_sha256(path))
+    return gguf_convert.ensure_converted(path, cache_dir(), file_sha256(path))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -5,9 +5,9 @@ is planned once per forward (`PagedAttention.plan`) and replayed by every layer:
 
     tokens:   [d0 d1 d2 d3 | p0 p0 p0 p0 | p1 p1]      decodes first, then prefill chunks
     decodes:  the paged kernel (kvstrata.model.kernels) reads each decode's blocks where they
-              lie, all decodes in one call per layer. Without it (no C++ compiler, exact sums,
-              a shape it cannot read) one gather per layer copies every block the decodes read
-              into one buffer, then batched attention per segment (below).
+              lie, all decodes in one call per layer. Without it (no C++ compiler, a shape it
+              cannot read) one gather per layer copies every block the decodes read into one
+              buffer, then batched attention per segment (below).
     chunk:    one SDPA per chunk; queries are positions seq_len-n .. seq_len-1 and see keys
               0 .. their own position. A chunk that starts a sequence uses its own K/V directly
               (no gather); a later chunk gathers the sequence's blocks.
@@ -53,10 +53,10 @@ steps: greedy outputs with caching on and off then part ways (8 of 25 prompts in
 tests/test_int8.py). Summing in float64 and rounding the result to float32 makes every path give
 the same float32 value unless the exact one lies within ~1e-16 of a rounding boundary. Cost: the
 gathered K/V is copied once more per layer (into a kept float64 buffer), and the matmuls run at
-half the float32 rate. Decodes skip all that when the paged kernel reads them: it sums in float32
-but in an order fixed by the sequence alone (never by the batch), so a decode row gets the same
-bits on every path as long as it always attends its whole context there, which is why exact sums
-ignore decode groups on that path.
+half the float32 rate. With the paged kernel, exact sums skip all that: every row, prefill rows
+too, attends its whole context in the kernel, which sums in float32 but in an order fixed by the
+row alone (never by the batch, the chunk or a group), so a row gets the same bits on every path;
+that is why exact sums ignore decode groups there.
 
 GQA without copying K/V: a decode's query heads are grouped as (.., KVH, G, D) so each kv head
 is attended by G query rows. Prefill inputs to SDPA are 4-D: PyTorch's CPU SDPA takes its fused
@@ -183,6 +183,8 @@ class PagedAttention:
         nd = batch.num_decodes
         assert qsl[nd] == nd, "decodes must come first, one token each"
         kernel = self.reads_in_place(block_size, dtype, device)
+        assert not kernel or max(seq_lens) <= batch.block_tables.shape[1] * block_size, \
+            "the kernel reads raw memory: every key must lie in its table"
         # Exact sums with the kernel: every row, decode or prefill, attends its whole context in the
         # kernel, whose order of sums is the row's own: its bits depend on no path, batch or group.
         every_row = kernel and self.compute_dtype is not None

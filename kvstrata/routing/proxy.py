@@ -353,12 +353,13 @@ def load_tokenizer(model: str | None) -> Any:
     """The tokenizer (with its chat template) the engines load for `model` (default: the embedded GGUF)."""
     from transformers import AutoTokenizer
 
+    from kvstrata.config import cache_dir
     from kvstrata.model import gguf_convert
-    from kvstrata.model.loader import cache_root, default_model_path, file_sha256
+    from kvstrata.model.loader import default_model_path, file_sha256
 
     path = Path(model).expanduser() if model else default_model_path()
     if path.is_file() and path.suffix == ".gguf":
-        path = gguf_convert.ensure_converted(path, cache_root(), file_sha256(path))
+        path = gguf_convert.ensure_converted(path, cache_dir(), file_sha256(path))
     if not path.is_dir():
         raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a model folder")
     return AutoTokenizer.from_pretrained(path)

@@ -176,32 +176,23 @@ def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeW
         return _DecodeWork(0 if in_place else keys, 0, keys, 1, keys, 0)
     order, groups = group_decodes([d.block_ids for d in decodes], seq_lens, block_size)
     grouped = groups[-1].end if groups else 0
-    own = [0] * len(decodes)                     # blocks each row reads itself, in batch order
+    own = [blocks[i] for i in order]             # blocks each row reads itself, in batch order
+    first = [0] * len(decodes)                   # each row's first key after its group's prefix
     shared = shared_pairs = 0
     for group in groups:
         shared += group.prefix_blocks
         shared_pairs += (group.end - group.start) * group.prefix_blocks
         for row in range(group.start, group.end):
-            own[row] = blocks[order[row]] - group.prefix_blocks
-    for row in range(grouped, len(decodes)):
-        own[row] = blocks[order[row]]
+            own[row] -= group.prefix_blocks
+            first[row] = group.prefix_blocks * block_size
     if in_place:
-        tiles = sum(-(-seq_lens[order[row]] // KERNEL_TILE) - own_first // KERNEL_TILE
-                    for row, own_first in enumerate(_own_first_keys(groups, len(decodes), block_size)))
+        tiles = sum(-(-seq_lens[i] // KERNEL_TILE) - f // KERNEL_TILE for i, f in zip(order, first))
         return _DecodeWork(shared * block_size, len(groups), tiles * KERNEL_TILE, 1, 0, shared_pairs * block_size)
     segments = [(start, end) for start, end in ((0, grouped), (grouped, len(decodes))) if end > start]
     padded = sum((end - start) * max(own[start:end]) for start, end in segments)
     lone = sum(own[start] for start, end in segments if end - start == 1)
     return _DecodeWork((padded + shared) * block_size, len(groups), padded * block_size, len(segments),
                        lone * block_size, shared_pairs * block_size)
-
-
-def _own_first_keys(groups: Sequence, count: int, block_size: int) -> list[int]:
-    """Each batch row's first key after its group's prefix (0 for an ungrouped decode)."""
-    first = [0] * count
-    for group in groups:
-        first[group.start:group.end] = [group.prefix_blocks * block_size] * (group.end - group.start)
-    return first
 
 
 @dataclass(frozen=True)
