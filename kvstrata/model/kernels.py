@@ -32,6 +32,9 @@ from kvstrata.config import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+# Bumped whenever a change to the source moves any bit of its results: exact engines' model
+# fingerprints carry it, so they never load KV that an older kernel computed (kvstrata.model.loader).
+REVISION = 2
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 
 

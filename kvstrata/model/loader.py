@@ -34,7 +34,7 @@ import torch
 from transformers import AutoTokenizer
 
 from kvstrata.config import ModelConfig, cache_dir
-from kvstrata.model import gguf_convert
+from kvstrata.model import gguf_convert, kernels
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
 from kvstrata.model.compiled import compile_layers
 from kvstrata.model.llama import LlamaModel
@@ -180,10 +180,11 @@ def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dty
         identity["exact_sums"] = True
         model.sum_exactly()
     # Exact attention (int8, exact sums) gives other last bits in the paged kernel than in float64:
-    # an engine without the kernel (no compiler) must not serve a kernel engine's KV, or the reverse.
+    # an engine without the kernel (no compiler) must not serve a kernel engine's KV, or the reverse,
+    # nor one kernel revision another's.
     # (It reads any power-of-two block size, so 16 stands for all of them.)
     if (exact_sums or quantization == "int8") and model.attn.reads_in_place(16, dtype, device):
-        identity["attention"] = "paged-kernel"
+        identity["attention"] = f"paged-kernel-{kernels.REVISION}"
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     if quantization == "int8":
         load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_dir(), fingerprint))
