@@ -107,11 +107,36 @@ def offline_section(offline: dict, default_dtype: str) -> list[str]:
     return lines
 
 
+def many_prompts_section(offline: dict, dtype: str) -> list[str]:
+    """The 256-prompt case, kvstrata and vLLM in the served dtype (its prompts are the only case)."""
+    ours, peer = offline.get(f"many-kvstrata-{dtype}"), offline.get(f"many-vllm-{dtype}")
+    if not ours or not peer:
+        return []
+    case, other = ours["cases"][0], peer["cases"][0]
+    return [f"Many prompts at once: {case['name'].removeprefix('batch ')} prompts of {case['input_len']:.0f} tokens, "
+            f"{case['output_len']} out, both engines at 64 sequences at a time, {dtype}; fastest of "
+            f"{len(case['elapsed_s'])} repeats (median in brackets), others' CPU share ≤ "
+            f"{max(max(case['cpu_busy']), max(other['cpu_busy'])):.0%}.", "",
+            "| engine | out tok/s | kvstrata ÷ vLLM |", "|---|---:|---:|",
+            f"| kvstrata | {_num(case['output_tok_s'])} ({_num(case['median_output_tok_s'])}) | "
+            f"{_ratio(case['output_tok_s'], other['output_tok_s'])} |",
+            f"| vLLM CPU {peer.get('version', '')} | {_num(other['output_tok_s'])} ({_num(other['median_output_tok_s'])}) | — |",
+            ""]
+
+
 def capped(max_concurrency: int | None) -> str:
     if not max_concurrency:
         return ""
     return (f", at most {max_concurrency} in flight (the client holds the rest back, so latencies measure "
             "the engine, not its queue)")
+
+
+def arrivals(config: dict) -> str:
+    what = "conversations" if config["workload"] == "multi-turn" else "requests"
+    if math.isinf(float(config["request_rate"])):          # stored as "inf"
+        return (f"every one of the {what} at once (saturated: throughput is what the server delivers, "
+                "latencies include the queue)")
+    return f"arrivals Poisson at {config['request_rate']}/s{' (conversations)' if what == 'conversations' else ''}"
 
 
 def serve_section(name: str, data: dict) -> list[str]:
@@ -122,8 +147,7 @@ def serve_section(name: str, data: dict) -> list[str]:
     slo = ", ".join(f"{k} ≤ {v * 1000:.0f} ms" for k, v in config["slo_s"].items())
     busy = [f"{r['label']} r{r['repeat']}: {r['cpu_busy_before']:.0%}" for r in data["runs"]]
     lines = [f"### {name}", "",
-             f"{config['num_requests']} requests ({params}), arrivals Poisson at {config['request_rate']}/s"
-             f"{' (conversations)' if config['turn_gap_s'] else ''}"
+             f"{config['num_requests']} requests ({params}), {arrivals(config)}"
              f"{capped(config.get('max_concurrency'))}; repeats: {config['repeats']}, alternating "
              f"servers (repeat r uses seed r, so no repeat finds another's prompts cached). Goodput SLO: {slo}. "
              f"Share of the cores other jobs used just before each run: {'; '.join(busy)}.", "",
@@ -147,7 +171,7 @@ def serve_section(name: str, data: dict) -> list[str]:
 def render(results: Path, current: Path) -> str:
     run = _load(results / "run.json") or {}
     offline = {p.stem.removeprefix("offline-"): json.loads(p.read_text()) for p in sorted(results.glob("offline-*.json"))
-               if p.stem != "offline-prompts"}
+               if not p.stem.startswith("offline-prompts")}
     notes = ""
     if current.exists() and NOTES_BEGIN in current.read_text():
         text = current.read_text()
@@ -171,7 +195,9 @@ def render(results: Path, current: Path) -> str:
               "bench/peers/venvs/vllm/bin/python bench/peers/offline_vllm.py --prompts P --model <HF folder> --dtype D",
               "```", ""]
     lines += offline_section(offline, run.get("serve_dtype", "float32")) + [""]
-    served = [(n, _load(results / f"serve-{n}.json")) for n in ("shared-prefix", "multi-turn", "shared-prefix-c16")]
+    lines += many_prompts_section(offline, run.get("serve_dtype", "float32"))
+    served = [(n, _load(results / f"serve-{n}.json")) for n in ("shared-prefix", "multi-turn", "shared-prefix-c16",
+                                                                  "shared-prefix-saturated", "multi-turn-saturated")]
     if any(d for _, d in served):
         lines += ["## Served throughput and latency", "",
                   "`kvstrata bench serve` against kvstrata (prefix caching on), vLLM CPU and kvstrata with caching "

@@ -6,9 +6,10 @@
 
 Offline: the same token ids (single stream and batch 32, 128 in / 128 out) through kvstrata's
 Python API (each torch dtype, and `--quantization int8`), transformers `generate`, llama.cpp and
-vLLM, each in its own process and venv.
+vLLM, each in its own process and venv; then 256 prompts through kvstrata and vLLM in the served dtype.
 Served: kvstrata with prefix caching on, kvstrata with it off, and vLLM serve side by side; for
-each workload (shared-prefix, multi-turn, and shared-prefix with at most 16 requests in flight)
+each workload (shared-prefix, multi-turn, shared-prefix with at most 16 requests in flight, and
+both again with every arrival at once, to measure throughput)
 `kvstrata bench serve` alternates them on the same request sequence. Peers are
 never kvstrata dependencies: they live in bench/peers/venvs (git-ignored).
 """
@@ -43,22 +44,31 @@ class Sizes:
     offline_batches: tuple[int, ...] = (1, 32)
     offline_len: int = 128
     offline_repeats: int = 3
+    many_prompts: int = 256            # one more offline case, kvstrata and vLLM only (64 sequences at a time)
+    many_repeats: int = 2
     serve_repeats: int = 2
     shared_prefix: tuple[str, ...] = ("--num-requests", "64", "--num-prefixes", "4", "--prefix-len", "512",
                                       "--input-len", "64", "--output-len", "64", "--request-rate", "1")
     multi_turn: tuple[str, ...] = ("--num-requests", "64", "--turns", "4", "--input-len", "128",
                                    "--output-len", "64", "--turn-gap", "1", "--request-rate", "0.5")
     sustained: tuple[str, ...] = ("--max-concurrency", "16")   # shared-prefix again, at most 16 in flight
+    saturated: tuple[str, ...] = ("--request-rate", "inf")     # every request (conversation) at once
+    back_to_back: tuple[str, ...] = ("--turn-gap", "0")        # multi-turn: each turn as soon as the last reply ends
     slo: str = "ttft=2000,tpot=250"
 
     def served(self) -> list[tuple[str, str, tuple[str, ...]]]:
-        """(results name, workload, its arguments) of each served run. The arrival rates ask more than
-        either server delivers; the capped run measures the engines below saturation, not the queue."""
+        """(results name, workload, its arguments) of each served run. At the first two's arrival rates
+        both servers keep up, so their throughput is the offered load and their latencies are the
+        figures; the capped run measures the engines with at most 16 requests in flight; the saturated
+        runs (all arrivals at once, later arguments win) measure throughput, which the others cannot."""
         return [("shared-prefix", "shared-prefix", self.shared_prefix), ("multi-turn", "multi-turn", self.multi_turn),
-                ("shared-prefix-c16", "shared-prefix", self.shared_prefix + self.sustained)]
+                ("shared-prefix-c16", "shared-prefix", self.shared_prefix + self.sustained),
+                ("shared-prefix-saturated", "shared-prefix", self.shared_prefix + self.saturated),
+                ("multi-turn-saturated", "multi-turn", self.multi_turn + self.saturated + self.back_to_back)]
 
 
-QUICK = Sizes(offline_batches=(1, 4), offline_len=16, offline_repeats=1, serve_repeats=1,
+QUICK = Sizes(offline_batches=(1, 4), offline_len=16, offline_repeats=1, many_prompts=8, many_repeats=1,
+              serve_repeats=1,
               shared_prefix=("--num-requests", "8", "--num-prefixes", "2", "--prefix-len", "64",
                              "--input-len", "16", "--output-len", "8", "--request-rate", "4"),
               multi_turn=("--num-requests", "8", "--turns", "2", "--input-len", "16", "--output-len", "8",
@@ -122,6 +132,13 @@ def offline(out: Path, sizes: Sizes, hf_folder: str, gguf: str, patience: float)
     for quant, path in (("q4_1", gguf), ("q8_0", str(q8_0))):
         jobs.append((f"llamacpp-{quant}", [str(VENVS / "llamacpp/bin/python"), str(PEERS / "offline_llamacpp.py"),
                                            *peer, "--model", path]))
+    many = out / "offline-prompts-many.json"
+    write_cases(many, make_cases([sizes.many_prompts], sizes.offline_len, sizes.offline_len, sizes.many_repeats, seed=1))
+    dtype = torch_dtypes()[-1]
+    for engine in (f"kvstrata-{dtype}", f"vllm-{dtype}"):
+        command = dict(jobs)[engine]
+        jobs.append((f"many-{engine}", [*command[:command.index("--prompts") + 1], str(many),
+                                        *command[command.index("--prompts") + 2:]]))
     for name, command in jobs:
         run([*command, "--json", str(out / f"offline-{name}.json")], out / f"offline-{name}.log", env=peer_env())
 
