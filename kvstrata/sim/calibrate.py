@@ -56,7 +56,9 @@ BURSTS = ((2, 256), (4, 64), (8, 16), (8, 96))                                  
 DECODE_GRID = {64: (1, 2, 4, 8, 16, 32), 512: (1, 2, 4, 8), 1024: (1, 2, 4)}       # context -> batch sizes
 DISTINCT_DECODES = {256: (4, 16), 1024: (4, 8)}      # context -> batch sizes, no prefix shared
 DECODE_STEPS = 6
-MIXED = ((8, 512, 512), (16, 64, 256))                                            # (batch, context, prefill)
+# (batch, context, prefill, shared): decodes (sharing one prefix, or each with a context of its own)
+# joined by a fresh prefill; distinct long contexts read their KV from memory behind a big chunk
+MIXED = ((8, 512, 512, True), (16, 64, 256, True), (4, 1024, 512, False))
 CLOCK_NAMES = {"cpu": "engine-thread CPU time", "wall": "wall time"}
 
 
@@ -110,14 +112,19 @@ def _grid_run(engine, recorder: ShapeRecorder, timer: Callable[[], float],
             for _ in range(batch):
                 engine.add_request(_tokens(rng, context, vocab), decode)
             points += run()
-    for batch, context, prefill in MIXED:
-        shared = _tokens(rng, context - BLOCK_SIZE, vocab)
-        engine.add_request(shared + _tokens(rng, 1, vocab), one)
-        points += run()
+    for batch, context, prefill, shared_prefix in MIXED:
+        shared = _tokens(rng, context - BLOCK_SIZE, vocab) if shared_prefix else []
+        if shared_prefix:
+            engine.add_request(shared + _tokens(rng, 1, vocab), one)
+            points += run()
         for _ in range(batch):
-            engine.add_request(shared + _tokens(rng, BLOCK_SIZE, vocab), decode)
+            engine.add_request(shared + _tokens(rng, context - len(shared), vocab), decode)
         steps = run()
-        points += [next(steps), next(steps)]                               # the batch is decoding now
+        for point in steps:                                                # its prefills, then a decode step
+            points.append(point)
+            if point[0].prefill_tokens == 0:
+                break
+        points.append(next(steps))                                         # the batch is decoding now
         engine.add_request(_tokens(rng, prefill, vocab), one)
         points += steps
     return points
