@@ -116,29 +116,32 @@ def offline(out: Path, sizes: Sizes, hf_folder: str, gguf: str, patience: float)
     prompts = out / "offline-prompts.json"
     write_cases(prompts, make_cases(list(sizes.offline_batches), sizes.offline_len, sizes.offline_len,
                                     sizes.offline_repeats, seed=0))
-    peer = ["--prompts", str(prompts), "--threads", str(THREADS), "--patience", str(patience)]
+    many = out / "offline-prompts-many.json"
+    write_cases(many, make_cases([sizes.many_prompts], sizes.offline_len, sizes.offline_len, sizes.many_repeats, seed=1))
+
+    def common(cases: Path) -> list[str]:
+        return ["--prompts", str(cases), "--threads", str(THREADS), "--patience", str(patience)]
+
+    def kvstrata(cases: Path, *flags: str) -> list[str]:
+        return [str(BIN / "kvstrata"), "bench", "offline", *common(cases), *flags]
+
+    def peer(venv: str, script: str, cases: Path, model: str, *flags: str) -> list[str]:
+        return [str(VENVS / venv / "bin/python"), str(PEERS / script), *common(cases), "--model", model, *flags]
+
     jobs = []
     for dtype in torch_dtypes():
-        jobs += [(f"kvstrata-{dtype}", [str(BIN / "kvstrata"), "bench", "offline", *peer, "--dtype", dtype]),
-                 (f"hf-{dtype}", [str(VENVS / "hf/bin/python"), str(PEERS / "offline_hf.py"), *peer,
-                                  "--model", hf_folder, "--dtype", dtype]),
-                 (f"vllm-{dtype}", [str(VENVS / "vllm/bin/python"), str(PEERS / "offline_vllm.py"), *peer,
-                                    "--model", hf_folder, "--dtype", dtype])]
-    jobs.append(("kvstrata-int8", [str(BIN / "kvstrata"), "bench", "offline", *peer, "--quantization", "int8"]))
-    jobs.append(("kvstrata-int8-compile", [str(BIN / "kvstrata"), "bench", "offline", *peer, "--quantization", "int8",
-                                           "--compile"]))
+        jobs += [(f"kvstrata-{dtype}", kvstrata(prompts, "--dtype", dtype)),
+                 (f"hf-{dtype}", peer("hf", "offline_hf.py", prompts, hf_folder, "--dtype", dtype)),
+                 (f"vllm-{dtype}", peer("vllm", "offline_vllm.py", prompts, hf_folder, "--dtype", dtype))]
+    jobs.append(("kvstrata-int8", kvstrata(prompts, "--quantization", "int8")))
+    jobs.append(("kvstrata-int8-compile", kvstrata(prompts, "--quantization", "int8", "--compile")))
     q8_0 = out / "smollm2-q8_0.gguf"          # llama.cpp's 8-bit peer of our int8, made from what we ship
     run([sys.executable, str(PEERS / "make_q8_0.py"), str(q8_0), "--model", gguf], out / "make-q8_0.log")
     for quant, path in (("q4_1", gguf), ("q8_0", str(q8_0))):
-        jobs.append((f"llamacpp-{quant}", [str(VENVS / "llamacpp/bin/python"), str(PEERS / "offline_llamacpp.py"),
-                                           *peer, "--model", path]))
-    many = out / "offline-prompts-many.json"
-    write_cases(many, make_cases([sizes.many_prompts], sizes.offline_len, sizes.offline_len, sizes.many_repeats, seed=1))
-    dtype = torch_dtypes()[-1]
-    for engine in (f"kvstrata-{dtype}", f"vllm-{dtype}"):
-        command = dict(jobs)[engine]
-        jobs.append((f"many-{engine}", [*command[:command.index("--prompts") + 1], str(many),
-                                        *command[command.index("--prompts") + 2:]]))
+        jobs.append((f"llamacpp-{quant}", peer("llamacpp", "offline_llamacpp.py", prompts, path)))
+    dtype = torch_dtypes()[-1]                # the served dtype
+    jobs += [(f"many-kvstrata-{dtype}", kvstrata(many, "--dtype", dtype)),
+             (f"many-vllm-{dtype}", peer("vllm", "offline_vllm.py", many, hf_folder, "--dtype", dtype))]
     for name, command in jobs:
         run([*command, "--json", str(out / f"offline-{name}.json")], out / f"offline-{name}.log", env=peer_env())
 

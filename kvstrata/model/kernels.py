@@ -1,13 +1,14 @@
 """Our C++ kernels (kvstrata/model/csrc): built with the system C++ compiler at first use, cached, loaded with ctypes.
 
-Why a plain shared library and not a torch extension: it needs no torch headers, so it compiles in
-about a second instead of a minute, and it loads without a build system. It takes raw pointers, so
+Why a plain shared library and not a torch extension: it needs no torch headers and loads without
+a build system. It takes raw pointers, so
 the callers here check every shape, dtype and stride it relies on. It is compiled with `-fopenmp`
 and so needs `libgomp.so.1`, the soname of the OpenMP runtime torch itself loads: the kernel's
 parallel loops run on torch's own thread team (one team spinning, not two; see AsyncLLMEngine).
 
 The build lands in `$KVSTRATA_CACHE_DIR/kernels` (default `~/.cache/kvstrata/kernels`) under a name
-made of the source's and the flags' hash, so a changed source rebuilds (about 4 s) and concurrent first
+made of the source's and the flags' hash, so a changed source rebuilds (about 30 s here, once: the
+AVX2 and plain x86-64 builds of the kernel's unrolled tile loops are most of it) and concurrent first
 uses do not clash (each writes a temporary file and renames it); `make install` builds it ahead.
 Without a compiler, or with `KVSTRATA_KERNELS=0`, `paged_decode()` returns None and attention keeps
 its torch path. `python -m kvstrata.model.kernels` builds it and says where it is.
@@ -101,6 +102,7 @@ def _build() -> Path:
     if target.exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    logger.info("building the paged attention kernel into %s (once per source change, ~30 s)", root)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
     os.close(fd)
     try:
