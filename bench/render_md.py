@@ -124,6 +124,27 @@ def many_prompts_section(offline: dict, dtype: str) -> list[str]:
             ""]
 
 
+def prefix_decode_section(results: Path) -> list[str]:
+    """16 sequences decoding over one shared cached prefix against 16 with distinct contexts, per dtype."""
+    runs = [json.loads(p.read_text()) for p in sorted(results.glob("prefix-decode-*.json"))]
+    if not runs:
+        return []
+    first = runs[0]
+    lines = [f"Decoding over a shared cached prefix (`bench/shared_prefix_decode.py`, kvstrata's `LLM` API): "
+             f"{first['seqs']} sequences × {first['tokens']} greedy tokens, each prompt {first['prefix']} shared + "
+             f"{first['own']} own tokens against {first['prefix'] + first['own']} own tokens, every prompt cached "
+             "first; runs alternate (shared, distinct) in one process. Goal (issue 13): shared ÷ distinct ≤ 0.6.", "",
+             "| dtype | shared (s) | distinct (s) | shared ÷ distinct, median (min–max) | CPU time ratio | "
+             "others' CPU share ≤ |", "|---|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        pairs = run["pairs"]
+        busy = max(p[case]["busy"] for p in pairs for case in ("shared", "distinct"))
+        seconds = {case: " / ".join(f"{p[case]['seconds']:.2f}" for p in pairs) for case in ("shared", "distinct")}
+        lines.append(f"| {run['dtype']} | {seconds['shared']} | {seconds['distinct']} | {run['median_ratio']:.2f} "
+                     f"({min(run['ratios']):.2f}–{max(run['ratios']):.2f}) | {run['median_cpu_ratio']:.2f} | {busy:.0%} |")
+    return lines + [""]
+
+
 def capped(max_concurrency: int | None) -> str:
     if not max_concurrency:
         return ""
@@ -196,6 +217,7 @@ def render(results: Path, current: Path) -> str:
               "```", ""]
     lines += offline_section(offline, run.get("serve_dtype", "float32")) + [""]
     lines += many_prompts_section(offline, run.get("serve_dtype", "float32"))
+    lines += prefix_decode_section(results)
     served = [(n, _load(results / f"serve-{n}.json")) for n in ("shared-prefix", "multi-turn", "shared-prefix-c16",
                                                                   "shared-prefix-saturated", "multi-turn-saturated")]
     if any(d for _, d in served):

@@ -6,7 +6,9 @@
 
 Offline: the same token ids (single stream and batch 32, 128 in / 128 out) through kvstrata's
 Python API (each torch dtype, and `--quantization int8`), transformers `generate`, llama.cpp and
-vLLM, each in its own process and venv; then 256 prompts through kvstrata and vLLM in the served dtype.
+vLLM, each in its own process and venv; then 256 prompts through kvstrata and vLLM in the served dtype,
+and 16 sequences decoding over one shared cached prefix against 16 with distinct contexts
+(bench/shared_prefix_decode.py, each torch dtype).
 Served: kvstrata with prefix caching on, kvstrata with it off, and vLLM serve side by side; for
 each workload (shared-prefix, multi-turn, shared-prefix with at most 16 requests in flight, and
 both again with every arrival at once, to measure throughput)
@@ -46,6 +48,7 @@ class Sizes:
     offline_repeats: int = 3
     many_prompts: int = 256            # one more offline case, kvstrata and vLLM only (64 sequences at a time)
     many_repeats: int = 2
+    prefix_decode: tuple[str, ...] = ()   # bench/shared_prefix_decode.py's arguments beyond dtype (its defaults)
     serve_repeats: int = 2
     shared_prefix: tuple[str, ...] = ("--num-requests", "64", "--num-prefixes", "4", "--prefix-len", "512",
                                       "--input-len", "64", "--output-len", "64", "--request-rate", "1")
@@ -73,7 +76,8 @@ QUICK = Sizes(offline_batches=(1, 4), offline_len=16, offline_repeats=1, many_pr
                              "--input-len", "16", "--output-len", "8", "--request-rate", "4"),
               multi_turn=("--num-requests", "8", "--turns", "2", "--input-len", "16", "--output-len", "8",
                           "--turn-gap", "0.2", "--request-rate", "2"),
-              sustained=("--max-concurrency", "2"))
+              sustained=("--max-concurrency", "2"),
+              prefix_decode=("--seqs", "4", "--prefix", "64", "--tokens", "8", "--repeat", "1"))
 
 
 def run(command: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 1800) -> None:
@@ -144,6 +148,10 @@ def offline(out: Path, sizes: Sizes, hf_folder: str, gguf: str, patience: float)
              (f"many-vllm-{dtype}", peer("vllm", "offline_vllm.py", many, hf_folder, "--dtype", dtype))]
     for name, command in jobs:
         run([*command, "--json", str(out / f"offline-{name}.json")], out / f"offline-{name}.log", env=peer_env())
+    for dtype in torch_dtypes():              # decoding over one shared cached prefix vs distinct contexts
+        run([sys.executable, str(ROOT / "bench" / "shared_prefix_decode.py"), *sizes.prefix_decode, "--dtype", dtype,
+             "--threads", str(THREADS), "--patience", str(patience), "--json", str(out / f"prefix-decode-{dtype}.json")],
+            out / f"prefix-decode-{dtype}.log")
 
 
 # ---- served -------------------------------------------------------------------------------------

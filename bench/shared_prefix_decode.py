@@ -13,17 +13,20 @@ figure is shared / distinct per pair and its median, in wall time and in this pr
 (with --threads 1 the CPU time barely moves when other jobs share the cores). Also prints the cached share of the
 prompts in each timed run (1.0 less one token per sequence when the cache held them all), and
 how busy other jobs kept the cores just before it (each run first waits up to --patience
-seconds for them to quieten; see kvstrata.bench.quiet).
+seconds for them to quieten; see kvstrata.bench.quiet). --json writes every run and the medians
+(`make bench` renders them into BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from kvstrata.bench.quiet import wait_quiet
 from kvstrata.llm import LLM
@@ -70,6 +73,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--patience", type=float, default=60.0, help="seconds to wait for quiet cores per run")
+    parser.add_argument("--json", type=Path, default=None, help="write the runs and medians here")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
@@ -81,9 +85,10 @@ def main() -> None:
         timed(llm, batch, 1)                                     # caches every full block of every prompt
     print(f"{args.seqs} sequences x {args.tokens} greedy tokens; shared: {args.prefix} shared + {args.own} own "
           f"tokens, distinct: {args.prefix + args.own} own tokens; {args.threads} threads, {args.dtype}")
-    ratios, cpu_ratios = [], []
+    ratios, cpu_ratios, pairs = [], [], []
     for r in range(args.repeat):
         runs = {case: timed(llm, batch, args.tokens, args.patience) for case, batch in cases.items()}
+        pairs.append({case: asdict(run) for case, run in runs.items()})
         ratios.append(runs["shared"].seconds / runs["distinct"].seconds)
         cpu_ratios.append(runs["shared"].cpu_seconds / runs["distinct"].cpu_seconds)
         print(f"  pair {r}: " + "  ".join(f"{case} {run.seconds:6.2f} s, CPU {run.cpu_seconds:6.2f} s (cached "
@@ -93,6 +98,12 @@ def main() -> None:
     for what, values in (("wall", ratios), ("CPU", cpu_ratios)):
         print(f"median shared / distinct, {what} time: {statistics.median(values):.2f} "
               f"(min {min(values):.2f}, max {max(values):.2f})")
+    if args.json:
+        args.json.write_text(json.dumps({"seqs": args.seqs, "prefix": args.prefix, "own": args.own,
+                                         "tokens": args.tokens, "threads": args.threads, "dtype": args.dtype,
+                                         "pairs": pairs, "ratios": ratios, "cpu_ratios": cpu_ratios,
+                                         "median_ratio": statistics.median(ratios),
+                                         "median_cpu_ratio": statistics.median(cpu_ratios)}, indent=1))
 
 
 if __name__ == "__main__":
