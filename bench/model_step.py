@@ -24,8 +24,10 @@ Decode steps use a cache of zeros with shuffled block tables: timing does not de
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -137,6 +139,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time each model with --compile")
     parser.add_argument("--hf", action="store_true", help="also time transformers' decode step")
     parser.add_argument("--batch-invariant", action="store_true", help="load the models with --batch-invariant")
+    parser.add_argument("--json", type=Path, default=None, help="also write every timing here (make bench's host probe)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.profile:
@@ -162,10 +165,13 @@ def main() -> None:
     runs = [(f"decode  batch {b:4d}", decode_batch(b, args.ctx, num_blocks, gen, args.shared_prefix), b)
             for b in args.batches]
     runs += [(f"prefill {n:4d} tokens", prefill_batch(n, num_blocks, gen), n) for n in args.prefills]
+    timings = []
     for label, batch, tokens in runs:
         print(f"\n{label}")
         for name, (model, kv, weight_bytes) in models.items():
             seconds, median = time_step(model, batch, kv, args.repeat)
+            timings.append({"run": " ".join(label.split()), "model": name, "fastest_ms": seconds * 1e3,
+                            "median_ms": median * 1e3})
             kv_read = batch.block_tables.unique().numel() * kv.spec.bytes_per_block if batch.num_decodes else 0
             print(f"  {name:>9}: {seconds * 1e3:7.1f} ms (median {median * 1e3:7.1f})  "
                   f"{tokens / seconds:6.0f} tok/s  weights {weight_bytes / seconds / 1e9:5.1f} GB/s  "
@@ -178,6 +184,9 @@ def main() -> None:
                                                args.ctx, args.repeat)
                 print(f"  {'transformers ' + name:>20}: {hf * 1e3:7.1f} ms (median {hf_median * 1e3:7.1f})  "
                       f"{tokens / hf:6.0f} tok/s")
+    if args.json:
+        args.json.write_text(json.dumps({"ctx": args.ctx, "threads": args.threads, "repeat": args.repeat,
+                                         "timings": timings}, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,23 @@ def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def configuration(run: dict, offline: dict) -> list[str]:
+def probe_line(probes: dict[str, dict]) -> list[str]:
+    """The host probe at the start and the end of the run (bench/run_all.py's `probe`)."""
+    if not probes:
+        return []
+
+    def steps(data: dict) -> str:
+        return " / ".join(f"{t['fastest_ms']:.1f}" for t in data["timings"])
+    first = next(iter(probes.values()))
+    models = sorted({t["model"] for t in first["timings"]})
+    runs = ", ".join(t["run"] for t in first["timings"])
+    return [f"- **Host speed probe** (`bench/model_step.py`, {', '.join(models)}, {runs} at {first['ctx']} tokens of "
+            f"context, fastest of {first['repeat']} steps, ms): "
+            + "; ".join(f"{when} {steps(data)}" for when, data in probes.items())
+            + ". Same code, same machine: a difference between start and end is the host changing speed under the run."]
+
+
+def configuration(run: dict, offline: dict, probes: dict[str, dict]) -> list[str]:
     m = run["machine"]
     kv = offline.get("kvstrata-float32") or offline.get("kvstrata-bfloat16") or {}
     lines = ["## Test configuration", "",
@@ -51,6 +67,7 @@ def configuration(run: dict, offline: dict) -> list[str]:
              f"{', '.join(f'{x:.2f}' for x in run['load_after'])} at the end; the run took {run['minutes']} min.",
              f"- **Threads:** {run['threads']} for every engine (torch threads, `OMP_NUM_THREADS`, llama.cpp "
              "`n_threads`); the benchmark client shares the same 2 cores with the server it measures."]
+    lines += probe_line(probes)
     if kv:
         lines.append(f"- **Memory read bandwidth, measured** (torch sum over 512 MiB, best of 5): "
                      f"{kv['memory_read_gb_s']:.1f} GB/s.")
@@ -204,7 +221,8 @@ def render(results: Path, current: Path) -> str:
              f"`.venv/bin/python bench/run_all.py --render bench/results/{results.name}`.", ""]
     if run.get("quick"):
         lines += ["**Quick run (tiny sizes): checks the pipeline, the figures mean nothing.**", ""]
-    lines += configuration(run, offline) + [""]
+    probes = {when: data for when in ("start", "end") if (data := _load(results / f"probe-{when}.json"))}
+    lines += configuration(run, offline, probes) + [""]
     lines += ["### Launch commands", "", "```sh",
               f"kvstrata serve {' '.join(run['kvstrata_serve'])} --port 18601                      # caching on",
               f"kvstrata serve {' '.join(run['kvstrata_serve'])} --port 18602 --no-enable-prefix-caching",

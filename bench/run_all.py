@@ -8,7 +8,8 @@ Offline: the same token ids (single stream and batch 32, 128 in / 128 out) throu
 Python API (each torch dtype, and `--quantization int8`), transformers `generate`, llama.cpp and
 vLLM, each in its own process and venv; then 256 prompts through kvstrata and vLLM in the served dtype,
 and 16 sequences decoding over one shared cached prefix against 16 with distinct contexts
-(bench/shared_prefix_decode.py, each torch dtype).
+(bench/shared_prefix_decode.py, each torch dtype). One fixed model step is timed at the start and
+at the end of the run (`probe`), so the tables say how much the host's speed moved under them.
 Served: kvstrata with prefix caching on, kvstrata with it off, and vLLM serve side by side; for
 each workload (shared-prefix, multi-turn, shared-prefix with at most 16 requests in flight, and
 both again with every arrival at once, to measure throughput)
@@ -49,6 +50,7 @@ class Sizes:
     many_prompts: int = 256            # one more offline case, kvstrata and vLLM only (64 sequences at a time)
     many_repeats: int = 2
     prefix_decode: tuple[str, ...] = ()   # bench/shared_prefix_decode.py's arguments beyond dtype (its defaults)
+    probe_repeat: int = 20                # steps the host probe times per shape (fastest and median)
     serve_repeats: int = 2
     shared_prefix: tuple[str, ...] = ("--num-requests", "64", "--num-prefixes", "4", "--prefix-len", "512",
                                       "--input-len", "64", "--output-len", "64", "--request-rate", "1")
@@ -77,7 +79,7 @@ QUICK = Sizes(offline_batches=(1, 4), offline_len=16, offline_repeats=1, many_pr
               multi_turn=("--num-requests", "8", "--turns", "2", "--input-len", "16", "--output-len", "8",
                           "--turn-gap", "0.2", "--request-rate", "2"),
               sustained=("--max-concurrency", "2"),
-              prefix_decode=("--seqs", "4", "--prefix", "64", "--tokens", "8", "--repeat", "1"))
+              prefix_decode=("--seqs", "4", "--prefix", "64", "--tokens", "8", "--repeat", "1"), probe_repeat=3)
 
 
 def run(command: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 1800) -> None:
@@ -100,6 +102,15 @@ def machine_facts() -> dict:
     return {**machine(), "memory_gib": round(int(memory.split()[1]) / 1024**2, 1),
             "isa": [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile") if f in flags],
             "kernel": os.uname().release}
+
+
+def probe(out: Path, when: str, sizes: Sizes, dtype: str) -> None:
+    """Time one fixed model step (decode of 1 and 32 sequences at 600 tokens) at the start and the
+    end of the run: the same code on the same machine, so a difference between the two is the host
+    changing speed under the run (it has, by 10-60% within an hour here), and BENCHMARKS.md says so."""
+    run([sys.executable, str(ROOT / "bench" / "model_step.py"), "--dtypes", dtype, "--batches", "1", "32",
+         "--ctx", "600", "--prefills", "--threads", str(THREADS), "--repeat", str(sizes.probe_repeat),
+         "--json", str(out / f"probe-{when}.json")], out / f"probe-{when}.log")
 
 
 # ---- offline ------------------------------------------------------------------------------------
@@ -262,10 +273,12 @@ def main() -> int:
              "vllm_serve": [*VLLM_SERVE, "--dtype", serve_dtype]}
     sizes = QUICK if args.quick else Sizes()
     begin = time.monotonic()
+    probe(out, "start", sizes, serve_dtype)
     if args.only in (None, "offline"):
         offline(out, sizes, str(default_model_folder()), str(default_model_path()), args.patience)
     if args.only in (None, "serve"):
         facts["server_start_s"] = served(out, sizes, serve_dtype, args.patience)
+    probe(out, "end", sizes, serve_dtype)
     facts.update(load_after=os.getloadavg(), minutes=round((time.monotonic() - begin) / 60, 1),
                  versions=peer_versions())
     (out / "run.json").write_text(json.dumps(facts, indent=1))
