@@ -19,6 +19,8 @@ mostly measures the neighbours; it is printed too), beside what the step had to 
 as "<name>+c", and prints how long its compile took. The models are loaded first and timed in turn for each shape, so a
 neighbour's burst hits all of them alike. --profile also counts the torch ops one step dispatches.
 Decode steps use a cache of zeros with shuffled block tables: timing does not depend on values.
+--json PATH also writes every fastest and median time (`make bench` times one fixed step so at
+its start and end: the host probe in BENCHMARKS.md).
 """
 
 from __future__ import annotations
