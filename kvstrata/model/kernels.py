@@ -40,14 +40,20 @@ FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
 
 
 class PagedDecode:
-    """`kvs_paged_decode` with its arguments checked. See the C++ source for what it computes."""
+    """`kvs_paged_decode` (a few query rows per sequence: decodes) and `kvs_paged_rows` (many rows per
+    block table: prefill chunks) with their arguments checked. See the C++ source for what they compute;
+    a row gets the same bits from either."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn = lib.kvs_paged_decode
         self._fn.restype = None
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn.argtypes = [ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
                              ctypes.c_float, ptr, ptr]
+        self._rows = lib.kvs_paged_rows
+        self._rows.restype = None
+        self._rows.argtypes = [ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                               ctypes.c_float, ptr, ptr]
         self.max_group = lib.kvs_max_group()
         self._head_dim_ok = lib.kvs_supports_head_dim
         self.lanes = lib.kvs_lanes()
@@ -63,17 +69,38 @@ class PagedDecode:
                  lens: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Attention of q (n, KVH, G, D) float32 over keys [first, lens) of each sequence's blocks in
         kv_layer (2, KVH, N, bs, D) into out (n, KVH, G, D) and lse (n, KVH, G), both float32."""
-        n, kvh, g, d = q.shape
-        two, kvh_, num_blocks, bs, d_ = kv_layer.shape
-        assert (two, kvh_, d_) == (2, kvh, d) and kv_layer.is_contiguous()
-        assert q.dtype == out.dtype == lse.dtype == torch.float32 and q.is_contiguous()
-        assert out.shape == q.shape and out.is_contiguous() and lse.shape == q.shape[:3] and lse.is_contiguous()
-        assert tables.dtype == first.dtype == lens.dtype == torch.int64 and tables.stride(1) == 1
-        assert first.shape == lens.shape == (n,) and tables.shape[0] == n
+        n = q.shape[0]
+        _check(q, kv_layer, tables, out, lse)
+        assert first.dtype == lens.dtype == torch.int64 and first.shape == lens.shape == (n,) and tables.shape[0] == n
         assert first.is_contiguous() and lens.is_contiguous()
         self._fn(q.data_ptr(), kv_layer.data_ptr(), int(kv_layer.dtype == torch.bfloat16), tables.data_ptr(),
-                 tables.stride(0), first.data_ptr(), lens.data_ptr(), n, kvh, g, d, num_blocks, bs, scale,
-                 out.data_ptr(), lse.data_ptr())
+                 tables.stride(0), first.data_ptr(), lens.data_ptr(), *q.shape, kv_layer.shape[2], kv_layer.shape[3],
+                 scale, out.data_ptr(), lse.data_ptr())
+
+    def rows(self, q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor,
+             lens: torch.Tensor, causal: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Attention of q (T, KVH, G, D) float32, in segments of positions: segment s is rows
+        [starts[s], starts[s + 1]), reads the blocks tables[s] and its last position sees keys [0, lens[s]);
+        with causal[s], position i of its n sees keys [0, lens[s] - n + 1 + i), else the same as the last.
+        Into out (T, KVH, G, D) and lse (T, KVH, G), float32; starts (S + 1,), lens and causal (S,) int64."""
+        segments = lens.shape[0]
+        _check(q, kv_layer, tables, out, lse)
+        assert starts.dtype == lens.dtype == causal.dtype == torch.int64 and tables.shape[0] == segments
+        assert starts.shape == (segments + 1,) and causal.shape == (segments,) and int(starts[-1]) <= q.shape[0]
+        assert starts.is_contiguous() and lens.is_contiguous() and causal.is_contiguous()
+        self._rows(q.data_ptr(), kv_layer.data_ptr(), int(kv_layer.dtype == torch.bfloat16), tables.data_ptr(),
+                   tables.stride(0), starts.data_ptr(), lens.data_ptr(), causal.data_ptr(), segments, *q.shape[1:],
+                   kv_layer.shape[2], kv_layer.shape[3], scale, out.data_ptr(), lse.data_ptr())
+
+
+def _check(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """What both kernels read through raw pointers: shapes, dtypes and contiguity of their shared arguments."""
+    kvh, d = q.shape[1], q.shape[3]
+    two, kvh_, _, _, d_ = kv_layer.shape
+    assert (two, kvh_, d_) == (2, kvh, d) and kv_layer.is_contiguous()
+    assert q.dtype == out.dtype == lse.dtype == torch.float32 and q.is_contiguous()
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == q.shape[:3] and lse.is_contiguous()
+    assert tables.dtype == torch.int64 and tables.stride(1) == 1
 
 
 @cache

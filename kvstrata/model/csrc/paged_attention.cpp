@@ -1,6 +1,7 @@
-// Paged decode attention that reads K/V where they lie in the cache (see kvstrata/model/kernels.py).
+// Paged attention that reads K/V where they lie in the cache (see kvstrata/model/kernels.py): decodes
+// (kvs_paged_decode, below) and prefill chunks (kvs_paged_rows, further down: many rows per key tile).
 //
-// One work item is one sequence and one kv head: its G query rows walk the sequence's blocks from
+// Decodes: one work item is one sequence and one kv head: its G query rows walk the sequence's blocks from
 // key `first` to key `len - 1` with an online softmax, 16 keys at a time. The order of every sum
 // depends only on the item (its keys and the block size), never on the batch or the thread that
 // runs it, so a row's result is the same whatever else is in the step.
@@ -18,6 +19,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include <omp.h>
 
 namespace {
 
@@ -32,7 +38,10 @@ constexpr int MAX_D = 256;       // head dim
 
 #define INLINE inline __attribute__((always_inline))
 
-INLINE v16 splat(float x) { return v16{} + x; }
+INLINE v16 splat(float x) {         // a broadcast (v16{} + x would add 0 too: -0 is not +0)
+    const v16 v{x};
+    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
 
 INLINE v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 
@@ -107,6 +116,29 @@ INLINE v16 exp16(v16 x) {
     return p * scale;
 }
 
+// acc (R rows of d) += p (R rows of W weights) times the tile's V rows [lo, hi): each element's sum runs
+// over the keys in order; X vectors of each row at once, so R * X chains of sums are in flight, not R.
+template <int R, int X, typename T>
+INLINE void add_pv_part(float* acc, const float (*p)[W], const T* vf, int lo, int hi, int x0, int d) {
+    v16 a[R][X];
+    for (int r = 0; r < R; ++r)
+        for (int x = 0; x < X; ++x) a[r][x] = load(acc + r * d + (x0 + x) * W);
+    for (int j = lo; j < hi; ++j)
+        for (int x = 0; x < X; ++x) {
+            const v16 v = load(vf + j * d + (x0 + x) * W);
+            for (int r = 0; r < R; ++r) a[r][x] += p[r][j] * v;
+        }
+    for (int r = 0; r < R; ++r)
+        for (int x = 0; x < X; ++x) store(acc + r * d + (x0 + x) * W, a[r][x]);
+}
+
+template <int R, typename T>
+INLINE void add_pv(float* acc, const float (*p)[W], const T* vf, int lo, int hi, int c, int d) {
+    int x0 = 0;
+    for (; x0 + 4 <= c; x0 += 4) add_pv_part<R, 4>(acc, p, vf, lo, hi, x0, d);
+    for (; x0 < c; ++x0) add_pv_part<R, 1>(acc, p, vf, lo, hi, x0, d);
+}
+
 // One tile of W keys (K rows kf, V rows vf, d values each; keys [lo, hi) valid) for R query rows
 // (q, acc: R rows of d floats; their running max m and sum l). The old sums are rescaled only when
 // the max grows, which after the first tiles it seldom does.
@@ -139,15 +171,7 @@ INLINE void rows(const float* q, float* acc, float* m, float* l, const T* kf, co
         }
         l[r] += lanes_sum(e);
     }
-    for (int x = 0; x < c; ++x) {
-        v16 a[R];
-        for (int r = 0; r < R; ++r) a[r] = load(acc + r * d + x * W);
-        for (int j = lo; j < hi; ++j) {
-            const v16 v = load(vf + j * d + x * W);
-            for (int r = 0; r < R; ++r) a[r] += p[r][j] * v;
-        }
-        for (int r = 0; r < R; ++r) store(acc + r * d + x * W, a[r]);
-    }
+    add_pv<R>(acc, p, vf, lo, hi, c, d);
 }
 
 struct Item {
@@ -216,6 +240,155 @@ INLINE void attend_item(const Item& it, int g, int d, int bs, float scale) {
     }
 }
 
+// Many query rows against one key tile: prefill chunks (a row per position and query head, each
+// seeing keys [0, its position]) and a decode group's rows over the group's shared prefix. The tile's
+// K is transposed into floats once (Kt: key j of element x at Kt[x * W + j]) and read by every row,
+// so a row's 16 scores come out as one vector, no horizontal sums. Each score is summed in exactly
+// the order of `rows` above (per lane l: the products of elements l, l + 16, ... in turn; then the
+// lanes folded by `transpose_sum`'s tree, written out below as `lane_tree`), and the softmax and
+// the P V sums are `rows`' own: a row gets the bits the decode path gives it, so a token's K/V do
+// not depend on whether it was prefilled or decoded, or in which chunk.
+
+// out[r] = the products of row r's elements l, l + W, l + 2W, ... with the tile's keys, summed in turn.
+template <int R>
+INLINE void lane_products(v16* out, const float* q, int d, const float* kt, int l, int c) {
+    const v16 k0 = load(kt + l * W);
+    for (int r = 0; r < R; ++r) out[r] = splat(q[r * d + l]) * k0;
+    if (c == 1)            // a bare product: keep the compiler from fusing it into lane_tree's add (rows cannot)
+        for (int r = 0; r < R; ++r) asm("" : "+m"(out[r]));
+    for (int x = 1; x < c; ++x) {
+        const v16 k = load(kt + (l + x * W) * W);
+        for (int r = 0; r < R; ++r) out[r] += splat(q[r * d + l + x * W]) * k;
+    }
+}
+
+// Lanes l, l + STEP, l + 2 STEP, ... summed as transpose_sum sums them: (l, l + 8) first, then
+// pairs of those STEP 4 apart, and so on. Depth first, so a few vectors per row stay live.
+template <int R, int STEP>
+INLINE void lane_tree(v16* out, const float* q, int d, const float* kt, int l, int c) {
+    v16 a[R], b[R];
+    if constexpr (STEP == W / 2) {
+        lane_products<R>(a, q, d, kt, l, c);
+        lane_products<R>(b, q, d, kt, l + STEP, c);
+    } else {
+        lane_tree<R, STEP * 2>(a, q, d, kt, l, c);
+        lane_tree<R, STEP * 2>(b, q, d, kt, l + STEP, c);
+    }
+    for (int r = 0; r < R; ++r) out[r] = a[r] + b[r];
+}
+
+// One tile for R query rows that all see keys [0, hi) of it: `rows` with the scores from Kt.
+template <int R>
+INLINE void rows_transposed(const float* q, float* acc, float* m, float* l, const float* kt, const float* vf,
+                            int hi, int c, int d) {
+    v16 s[R];
+    lane_tree<R, 1>(s, q, d, kt, 0, c);
+    i16v valid;
+    for (int j = 0; j < W; ++j) valid[j] = j < hi ? -1 : 0;
+    alignas(64) float p[R][W];
+    for (int r = 0; r < R; ++r) {
+        const v16 sr = valid ? s[r] : splat(-INFINITY);
+        const float m_new = std::fmax(m[r], lanes_max(sr));
+        const v16 e = valid ? exp16(sr - m_new) : splat(0.f);
+        store(p[r], e);
+        if (m_new > m[r]) {
+            const float alpha = std::exp(m[r] - m_new);
+            l[r] *= alpha;
+            for (int x = 0; x < c; ++x) store(acc + r * d + x * W, load(acc + r * d + x * W) * alpha);
+            m[r] = m_new;
+        }
+        l[r] += lanes_sum(e);
+    }
+    add_pv<R>(acc, p, vf, 0, hi, c, d);
+}
+
+constexpr int MAX_ROWS = 48;     // query rows of one item: positions x G
+
+// One tile of a (segment, kv head)'s keys made ready for many rows: K transposed into floats, V widened.
+template <typename T>
+INLINE void prepare_tile(float* kt, float* vt, const T* kp, const T* vp, const int64_t* table, int64_t tile,
+                         int64_t end, int bs, int d) {
+    const int c = d / W;
+    for (int j = 0; j < W; ++j) {
+        const int64_t key = tile + j;
+        if (key >= end && bs % W != 0) {                 // past the table's last block: never read
+            for (int x = 0; x < c; ++x) store(vt + j * d + x * W, splat(0.f));
+            for (int e = 0; e < d; ++e) kt[e * W + j] = 0.f;
+            continue;
+        }
+        const int64_t row = table[key / bs] * bs + key % bs;    // a whole tile lies in the key's block
+        for (int x = 0; x < c; ++x) {
+            const v16 kx = load(kp + row * d + x * W);
+            for (int e = 0; e < W; ++e) kt[(x * W + e) * W + j] = kx[e];
+            store(vt + j * d + x * W, load(vp + row * d + x * W));
+        }
+    }
+}
+
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+void prepare_tile_f32(float* kt, float* vt, const float* kp, const float* vp, const int64_t* table, int64_t tile,
+                      int64_t end, int bs, int d) { prepare_tile(kt, vt, kp, vp, table, tile, end, bs, d); }
+
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+void prepare_tile_bf16(float* kt, float* vt, const uint16_t* kp, const uint16_t* vp, const int64_t* table,
+                       int64_t tile, int64_t end, int bs, int d) {
+    prepare_tile(kt, vt, kp, vp, table, tile, end, bs, d);
+}
+
+struct RowItem {
+    const float* q;          // its first position's rows: (G, D) per position, `stride` floats apart
+    const float* tiles;      // its (segment, kv head)'s prepared tiles: Kt (D x W) then V (W x D), each
+    int64_t len0, step;      // position i of the item sees keys [0, len0 + i * step)
+    int positions;
+    int64_t stride;          // floats from one position's rows to the next (in q, out; lse: / D)
+    float* out;              // like q
+    float* lse;              // (G,) per position, stride / D apart
+};
+
+INLINE int tile_keys(int64_t len, int64_t tile) { return static_cast<int>(len - tile < W ? len - tile : W); }
+
+INLINE void attend_rows(const RowItem& it, int g, int d, float scale) {
+    const int c = d / W, n = it.positions * g;
+    alignas(64) float q[MAX_ROWS * MAX_D], acc[MAX_ROWS * MAX_D];
+    float m[MAX_ROWS], l[MAX_ROWS];
+    int64_t len[MAX_ROWS];
+    for (int p = 0; p < it.positions; ++p)
+        for (int i = 0; i < g * d; ++i) {
+            q[p * g * d + i] = it.q[p * it.stride + i] * scale;
+            acc[p * g * d + i] = 0.f;
+        }
+    for (int r = 0; r < n; ++r) { m[r] = -INFINITY; l[r] = 0.f; len[r] = it.len0 + (r / g) * it.step; }
+    const int64_t end = len[n - 1];
+    int first_row = 0;                                   // rows before it see no key of this tile
+    for (int64_t tile = 0; tile < end; tile += W) {
+        while (len[first_row] <= tile) first_row += g;
+        const float* kt = it.tiles + tile / W * 2 * W * d;
+        const float* vt = kt + W * d;
+        for (int r = first_row; r < n;) {                 // runs of up to 4 rows that see the same keys
+            const int hi = tile_keys(len[r], tile);
+            int run = 1;
+            while (run < 4 && r + run < n && tile_keys(len[r + run], tile) == hi) ++run;
+            float *qr = q + r * d, *ar = acc + r * d;
+            switch (run) {
+                case 1: rows_transposed<1>(qr, ar, m + r, l + r, kt, vt, hi, c, d); break;
+                case 2: rows_transposed<2>(qr, ar, m + r, l + r, kt, vt, hi, c, d); break;
+                case 3: rows_transposed<3>(qr, ar, m + r, l + r, kt, vt, hi, c, d); break;
+                default: rows_transposed<4>(qr, ar, m + r, l + r, kt, vt, hi, c, d); break;
+            }
+            r += run;
+        }
+    }
+    for (int r = 0; r < n; ++r) {
+        const int p = r / g, gi = r % g;
+        const float inv = 1.f / l[r];
+        for (int i = 0; i < d; ++i) it.out[p * it.stride + gi * d + i] = acc[r * d + i] * inv;
+        it.lse[p * it.stride / d + gi] = m[r] + std::log(l[r]);
+    }
+}
+
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+void attend_rows_cloned(const RowItem& it, int g, int d, float scale) { attend_rows(it, g, d, scale); }
+
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 void attend_item_f32(const Item& it, int g, int d, int bs, float scale) { attend_item<float>(it, g, d, bs, scale); }
 
@@ -250,6 +423,66 @@ void kvs_paged_decode(const float* q, const void* kv, int bf16, const int64_t* t
             attend_item_bf16(it, static_cast<int>(g), static_cast<int>(d), static_cast<int>(bs), scale);
         else
             attend_item_f32(it, static_cast<int>(g), static_cast<int>(d), static_cast<int>(bs), scale);
+    }
+}
+
+// Query rows of segments of positions, each segment's positions reading one block table: q (T, kvh, g, d)
+// float32 (T rows; segment s is rows [starts[s], starts[s + 1])); tables (S, table_stride) int64; lens (S,):
+// the keys its last position sees; causal (S,): 1 if position i of n sees keys [0, lens - n + 1 + i), 0
+// if every position sees [0, lens). out like q, lse (T, kvh, g). Same requirements as kvs_paged_decode,
+// and every position sees at least one key.
+void kvs_paged_rows(const float* q, const void* kv, int bf16, const int64_t* tables, int64_t table_stride,
+                    const int64_t* starts, const int64_t* lens, const int64_t* causal, int64_t segments,
+                    int64_t kvh, int64_t g, int64_t d, int64_t num_blocks, int64_t bs, float scale, float* out,
+                    float* lse) {
+    // Positions per item: as many as MAX_ROWS holds, fewer when that would leave threads idle.
+    const int64_t total = starts[segments] - starts[0], threads = omp_get_max_threads();
+    const int64_t positions = std::max<int64_t>(1, std::min<int64_t>(MAX_ROWS / g, total * kvh / (4 * threads)));
+    const int64_t elem = bf16 ? 2 : 4, tile_floats = 2 * W * d;
+    const int64_t plane = num_blocks * bs * d * elem;
+    const char* base = static_cast<const char*>(kv);
+    // Prepared tiles: segment s, kv head h from float (tile_first[s] * kvh + h * tiles(s)) * tile_floats on.
+    std::vector<int64_t> tile_first(segments + 1, 0);
+    for (int64_t s = 0; s < segments; ++s) tile_first[s + 1] = tile_first[s] + (lens[s] + W - 1) / W;
+    thread_local std::vector<float> prepared;            // kept: a fresh buffer per call would fault its pages in
+    if (prepared.size() < static_cast<size_t>(tile_first[segments] * kvh * tile_floats))
+        prepared.resize(tile_first[segments] * kvh * tile_floats);
+    float* tiles = prepared.data();
+    std::vector<std::pair<int64_t, int64_t>> chunks;     // (segment, first position): the last, longest, first
+    for (int64_t s = 0; s < segments; ++s)
+        for (int64_t p = starts[s + 1] - starts[s]; p > 0; p -= positions)
+            chunks.emplace_back(s, starts[s] + (p - 1) / positions * positions);
+    const int64_t stride = kvh * g * d, items = static_cast<int64_t>(chunks.size()) * kvh;
+    const int64_t all_tiles = tile_first[segments] * kvh;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < all_tiles; ++i) {       // tile i: segment s, head h, tile t of it
+            const int64_t s = std::upper_bound(tile_first.begin(), tile_first.end(), i / kvh) - tile_first.begin() - 1;
+            const int64_t per = tile_first[s + 1] - tile_first[s], h = (i - tile_first[s] * kvh) / per;
+            const int64_t t = (i - tile_first[s] * kvh) % per;
+            float* kt = tiles + i * tile_floats;
+            const int64_t* table = tables + s * table_stride;
+            if (bf16)
+                prepare_tile_bf16(kt, kt + W * d, reinterpret_cast<const uint16_t*>(base + h * plane),
+                                  reinterpret_cast<const uint16_t*>(base + (kvh + h) * plane), table, t * W, lens[s],
+                                  static_cast<int>(bs), static_cast<int>(d));
+            else
+                prepare_tile_f32(kt, kt + W * d, reinterpret_cast<const float*>(base + h * plane),
+                                 reinterpret_cast<const float*>(base + (kvh + h) * plane), table, t * W, lens[s],
+                                 static_cast<int>(bs), static_cast<int>(d));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; ++i) {
+            const auto [s, t0] = chunks[i / kvh];
+            const int64_t h = i % kvh, n = starts[s + 1] - starts[s], i0 = t0 - starts[s];
+            const int64_t step = causal[s] ? 1 : 0, len0 = lens[s] - (n - 1) * step + i0 * step;
+            const int count = static_cast<int>(starts[s + 1] - t0 < positions ? starts[s + 1] - t0 : positions);
+            const int64_t row = t0 * stride + h * g * d, per = tile_first[s + 1] - tile_first[s];
+            const RowItem it{q + row, tiles + (tile_first[s] * kvh + h * per) * tile_floats, len0, step, count, stride,
+                             out + row, lse + row / d};
+            attend_rows_cloned(it, static_cast<int>(g), static_cast<int>(d), scale);
+        }
     }
 }
 
