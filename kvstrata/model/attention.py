@@ -8,9 +8,11 @@ is planned once per forward (`PagedAttention.plan`) and replayed by every layer:
               lie, all decodes in one call per layer. Without it (no C++ compiler, a shape it
               cannot read) one gather per layer copies every block the decodes read into one
               buffer, then batched attention per segment (below).
-    chunk:    one SDPA per chunk; queries are positions seq_len-n .. seq_len-1 and see keys
-              0 .. their own position. A chunk that starts a sequence uses its own K/V directly
-              (no gather); a later chunk gathers the sequence's blocks.
+    chunks:   queries are positions seq_len-n .. seq_len-1 and see keys 0 .. their own
+              position. The kernel's many-rows path reads every chunk's blocks in place, all
+              chunks in one call per layer (`KernelRows`). Without it, one SDPA per chunk: a
+              chunk that starts a sequence uses its own K/V directly (no gather); a later chunk
+              gathers the sequence's blocks and masks them.
 
 Cascade (shared-prefix) attention. Decodes whose block tables start with the same blocks come
 as a `DecodeGroup` (the runner finds them, kvstrata.model.prefix_groups). A group's shared blocks
@@ -42,7 +44,12 @@ small one does not pay (see kvstrata.model.prefix_groups.GROUP_COST_TOKENS). Dec
 distinct contexts copied each of their blocks once per layer and step (25% of a batch-32 step
 at 600 tokens, SDPA another 28%) until the paged kernel: on 16 x 600 bf16 keys per layer (1
 thread, a 30,000-block cache) 0.61-0.67 ms against 1.24 ms for gather + SDPA, and a bf16 model
-step at batch 32 x 600 92-102 ms against 150-176 ms.
+step at batch 32 x 600 92-102 ms against 150-176 ms. Prefill chunks took torch's CPU flash SDPA
+(bf16 at 56-100 GFLOP/s here; a chunk after cached tokens also gathered its blocks and built a
+mask) until the kernel's many-rows path: per layer (SmolLM2's heads, 2 threads, interleaved runs)
+a 512-token prompt 2.0-2.2 ms against 3.6-4.0 ms for SDPA, 1,024 tokens 8.1-8.4 against 10.7-11.2,
+128 tokens after 512 cached 1.2 against 1.3; a bf16 prefill step of 512 tokens 216-217 ms against
+292-303 ms, of 1,024 tokens 570-595 against 687-695 (bench/model_step.py --prefills).
 
 Exact attention for int8 models (`compute_dtype=torch.float64`). Each kernel above sums in an
 order that depends on the call's shapes (SDPA's tiles follow the key count and the query count; a
@@ -55,8 +62,9 @@ the same float32 value unless the exact one lies within ~1e-16 of a rounding bou
 gathered K/V is copied once more per layer (into a kept float64 buffer), and the matmuls run at
 half the float32 rate. With the paged kernel, exact sums skip all that: every row, prefill rows
 too, attends its whole context in the kernel, which sums in float32 but in an order fixed by the
-row alone (never by the batch, the chunk or a group), so a row gets the same bits on every path;
-that is why exact sums ignore decode groups there.
+row alone (never by the batch, the chunk or a group; its decode and many-rows paths sum in the
+same order), so a row gets the same bits on every path; that is why exact sums ignore decode
+groups there. Prefill chunks get those bits without exact sums too.
 
 GQA without copying K/V: a decode's query heads are grouped as (.., KVH, G, D) so each kv head
 is attended by G query rows. Prefill inputs to SDPA are 4-D: PyTorch's CPU SDPA takes its fused
@@ -98,14 +106,28 @@ class DecodeSegment:
 
 @dataclass
 class KernelCall:
-    """Query rows [start, end) through the paged kernel: row i attends keys [first[i], lens[i]) of the
-    blocks tables[i] (a chunk's rows share one table row, expanded without a copy)."""
+    """Decode rows [start, end) through the paged kernel: row i attends keys [first[i], lens[i]) of the
+    blocks tables[i]."""
 
     start: int
     end: int
     tables: torch.Tensor           # (n, max_blocks) int64
     first: torch.Tensor            # (n,) int64
     lens: torch.Tensor             # (n,) int64
+
+
+@dataclass
+class KernelRows:
+    """Prefill rows [start, end) through the kernel's many-rows path, one segment per chunk: segment s
+    is rows start + starts[s] .. start + starts[s + 1] - 1 and reads the blocks tables[s]; its last
+    position sees keys [0, lens[s]), each earlier one a key less (causal)."""
+
+    start: int
+    end: int
+    tables: torch.Tensor           # (S, max_blocks) int64
+    starts: torch.Tensor           # (S + 1,) int64
+    lens: torch.Tensor             # (S,) int64
+    causal: torch.Tensor           # (S,) int64, all 1
 
 
 @dataclass
@@ -118,10 +140,10 @@ class AttentionPlan:
     grouped: int                              # decodes [0, grouped) are in groups
     own: list[DecodeSegment]                  # each decode in exactly one; grouped rows first
     prefixes: list[DecodeSegment]             # one per DecodeGroup, shared
-    prefills: list[PrefillChunk]              # chunks attended in torch
-    in_place: list[KernelCall]                # rows the kernel attends: all decodes (their own part,
-                                              # after any group's prefix) first, then, under exact sums,
-                                              # every prefill chunk; decodes in place leave `own` empty
+    prefills: list[PrefillChunk]              # chunks attended in torch (no kernel)
+    in_place: KernelCall | None               # decodes through the kernel (their own part, after any
+                                              # group's prefix); they leave `own` empty
+    rows: KernelRows | None                   # every prefill chunk, when the kernel reads this cache
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -192,22 +214,23 @@ class PagedAttention:
         groups = [] if every_row else batch.decode_groups
         decode_rows, grouped, own, prefixes = self._plan_decodes(batch, groups, seq_lens, block_size, num_blocks,
                                                                  dtype, kernel) if nd else (None, 0, [], [])
-        in_place = []
+        in_place = None
         if nd and kernel:
             first = torch.zeros(nd, dtype=torch.int64, device=device)
             for group in groups:
                 first[group.start:group.end] = group.prefix_blocks * block_size
-            in_place.append(KernelCall(0, nd, batch.block_tables[:nd], first, batch.seq_lens[:nd]))
-        prefills = []
+            in_place = KernelCall(0, nd, batch.block_tables[:nd], first, batch.seq_lens[:nd])
+        prefills, rows = [], None
         for b in range(nd, batch.num_seqs):
+            n = qsl[b + 1] - qsl[b]
+            assert 0 < n <= seq_lens[b], f"chunk of {n} tokens in a sequence of {seq_lens[b]}"
+        if kernel and batch.num_seqs > nd:
+            starts = torch.tensor(qsl[nd:], dtype=torch.int64, device=device) - qsl[nd]
+            rows = KernelRows(qsl[nd], qsl[-1], batch.block_tables[nd:], starts, batch.seq_lens[nd:],
+                              torch.ones(batch.num_seqs - nd, dtype=torch.int64, device=device))
+        for b in range(nd, batch.num_seqs) if rows is None else ():
             start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
             n = end - start
-            assert 0 < n <= seq_len, f"chunk of {n} tokens in a sequence of {seq_len}"
-            if every_row:
-                in_place.append(KernelCall(start, end, batch.block_tables[b:b + 1].expand(n, -1),
-                                           torch.zeros(n, dtype=torch.int64, device=device),
-                                           torch.arange(seq_len - n + 1, seq_len + 1, device=device)))
-                continue
             if n == seq_len:
                 prefills.append(PrefillChunk(start, end, None, None))
                 continue
@@ -217,7 +240,7 @@ class PagedAttention:
             mask = _additive(keys[None, :] <= last_visible[:, None], dtype)   # (n, nblk * bs)
             prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, :nblk], planes, num_blocks),
                                          mask))
-        return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills, in_place)
+        return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills, in_place, rows)
 
     def _plan_decodes(self, batch: ForwardBatch, groups: list[DecodeGroup], seq_lens: list[int], block_size: int,
                       num_blocks: int, dtype: torch.dtype, in_place: bool
@@ -269,9 +292,11 @@ class PagedAttention:
         t = q.shape[0]
         h, kvh, g, d = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         out = q.new_empty(t, h * d)                               # (T, H * D), in the model's dtype
-        for call in plan.in_place:
-            self._in_place(q, kv_layer, call, plan, out)
-        gathered_decodes = plan.num_decodes > 0 and not (plan.in_place and plan.in_place[0].start == 0)
+        if plan.in_place is not None:
+            self._in_place(q, kv_layer, plan.in_place, plan, out)
+        if plan.rows is not None:
+            self._rows(q, kv_layer, plan.rows, out)
+        gathered_decodes = plan.num_decodes > 0 and plan.in_place is None
         if not (gathered_decodes or plan.prefills):
             return out
         if self.compute_dtype is not None:
@@ -333,19 +358,32 @@ class PagedAttention:
 
     def _in_place(self, q: torch.Tensor, kv_layer: torch.Tensor, call: KernelCall, plan: AttentionPlan,
                   out: torch.Tensor) -> None:
-        """Rows [call.start, call.end) of q (T, H, D) through the paged kernel (their blocks read in
-        place, in float32) into out (T, H * D); grouped decodes get their group's prefix merged in."""
-        n, grouped = call.end - call.start, plan.grouped if call.start == 0 else 0
+        """Decode rows [call.start, call.end) of q (T, H, D) through the paged kernel (their blocks read
+        in place, in float32) into out (T, H * D); grouped decodes get their group's prefix merged in."""
+        n, grouped = call.end - call.start, plan.grouped
+        qf, o, lse = self._kernel_buffers(q, call.start, call.end)
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        qf = torch.empty(n, kvh, g, d)
-        qf.view(n, kvh * g, d).copy_(q[call.start:call.end])
-        o, lse = torch.empty_like(qf), torch.empty(n, kvh, g)
         self.kernel(qf, kv_layer, call.tables, call.first, call.lens, d ** -0.5, o, lse)
         if grouped:
             qd = q[:grouped].view(grouped, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)
             self._merge_prefixes(qd, o[:grouped].transpose(0, 1), lse[:grouped].transpose(0, 1).unsqueeze(-1),
                                  self._gather(kv_layer, plan.decode_rows), plan.prefixes)
         out[call.start:call.end] = o.view(n, kvh * g * d)
+
+    def _rows(self, q: torch.Tensor, kv_layer: torch.Tensor, rows: KernelRows, out: torch.Tensor) -> None:
+        """Prefill rows [rows.start, rows.end) of q (T, H, D) through the kernel into out (T, H * D)."""
+        qf, o, lse = self._kernel_buffers(q, rows.start, rows.end)
+        self.kernel.rows(qf, kv_layer, rows.tables, rows.starts, rows.lens, rows.causal, self.head_dim ** -0.5, o, lse)
+        out[rows.start:rows.end] = o.view(rows.end - rows.start, -1)
+
+    def _kernel_buffers(self, q: torch.Tensor, start: int, end: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows [start, end) of q (T, H, D) as the kernels read them, (n, KVH, G, D) float32, and room
+        for their outputs and log-sum-exps."""
+        n, kvh, g, d = end - start, self.num_kv_heads, self.group, self.head_dim
+        qf = torch.empty(n, kvh, g, d)
+        qf.view(n, kvh * g, d).copy_(q[start:end])
+        return qf, torch.empty_like(qf), torch.empty(n, kvh, g)
 
     def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Copy the block rows `rows` (see _gather_rows) into the scratch buffer, in `compute_dtype`
