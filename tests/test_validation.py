@@ -71,11 +71,12 @@ def test_causal_pairs_are_whole_key_tiles_up_to_the_diagonal():
     assert BatchShape.alone(0, 1000, BS).attention_pairs == causal_pairs(1000)
 
 
-def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, int, int, int]:
-    """Tokens PagedAttention gathers for these chunks, planned exactly as the runner plans a step;
-    tokens its decode attention covers (each row's own segment or, in place, its 16-key tiles);
-    its decode attention calls; tokens attended by calls for one decode; tokens of the groups'
-    prefixes, per member."""
+def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, int, int, int, int | None]:
+    """Tokens PagedAttention gathers for these chunks, planned exactly as the runner plans a step
+    (in place: and the keys the kernel makes ready for prefill chunks); tokens its decode attention
+    covers (each row's own segment or, in place, its 16-key tiles); its decode attention calls;
+    tokens attended by calls for one decode; tokens of the groups' prefixes, per member; in place,
+    the query-key pairs the kernel computes for prefill chunks (16-key tiles up to each position)."""
     decodes = [c for c in chunks if c.num_tokens == 1]
     order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes], BS)
     ordered = [decodes[i] for i in order] + [c for c in chunks if c.num_tokens != 1]
@@ -92,10 +93,19 @@ def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, i
     if not in_place:
         own = sum((seg.end - seg.start) * seg.blocks * BS for seg in plan.own)
         lone = sum(seg.blocks * BS for seg in plan.own if seg.end - seg.start == 1)
-        return rows // planes * BS, own, len(plan.own), lone, prefixes
-    tile, (call,) = KERNEL_TILE, plan.in_place
-    kernel = sum(-(-int(n) // tile) * tile - int(f) // tile * tile for f, n in zip(call.first, call.lens))
-    return rows // planes * BS, kernel, 1, kernel if len(decodes) == 1 else 0, prefixes
+        return rows // planes * BS, own, len(plan.own), lone, prefixes, None
+    tile, call, prefill = KERNEL_TILE, plan.in_place, plan.rows
+    kernel = 0 if call is None else sum(-(-int(n) // tile) * tile - int(f) // tile * tile
+                                        for f, n in zip(call.first, call.lens))
+    ready = pairs = 0
+    if prefill is not None:
+        assert not plan.prefills and bool(prefill.causal.all())
+        for s, keys in enumerate(prefill.lens.tolist()):
+            n = int(prefill.starts[s + 1] - prefill.starts[s])
+            ready += -(-keys // tile) * tile
+            pairs += sum(-(-(keys - n + 1 + i) // tile) * tile for i in range(n))
+    lone = kernel if len(decodes) == 1 else 0
+    return rows // planes * BS + ready, kernel, int(call is not None), lone, prefixes, pairs
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
@@ -115,8 +125,11 @@ def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case, in_pl
                   + [chunk(70, 1, [700, 701, 702, 703, 704])]
                   + [chunk(0, 50, [800, 801, 802, 803]), chunk(33, 64, [900 + i for i in range(7)])])
     shape = BatchShape.of(chunks, BS, in_place)
+    *counted, pairs = _planned(chunks, in_place)
     assert (shape.kv_tokens_read, shape.decode_pairs, shape.decode_segments, shape.lone_decode_pairs,
-            shape.prefix_pairs) == _planned(chunks, in_place)
+            shape.prefix_pairs) == tuple(counted)
+    if in_place:                                   # prefill chunks: the kernel's tiles, nothing masked
+        assert (shape.attention_pairs, shape.masked_pairs) == (pairs, 0)
 
 
 # ---- shrunk traces and slices -------------------------------------------------------------------

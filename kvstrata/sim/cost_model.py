@@ -74,14 +74,18 @@ class BatchShape(NamedTuple):
     kvstrata.model.kernels) gathers only the groups' shared prefixes; each decode attends its own
     keys unpadded (16-key tiles from its group's prefix on), all decodes in one call per layer
     (one segment), and a lone decode is a step with a single decode (its kv heads are the only
-    work items the threads share).
+    work items the threads share). Its prefill chunks, fresh or not, go through the kernel too
+    (`kernel_pairs`): each position attends the 16-key tiles up to its own, no mask, no padding
+    to blocks, so they count as `attention_pairs`, and each chunk reads its keys once (its tiles,
+    made ready for many rows) into `kv_tokens_read`.
     """
 
     prefill_tokens: int = 0
     decode_seqs: int = 0
     kv_tokens_read: int = 0       # KV tokens gathered: decode segments (padded) and their shared
                                   # prefixes, and the blocks of each chunk that continues a sequence
-    attention_pairs: int = 0      # query-key pairs computed for chunks that start a sequence (causal_pairs)
+    attention_pairs: int = 0      # query-key pairs computed for chunks that start a sequence (causal_pairs);
+                                  # in place: for every chunk (kernel_pairs)
     masked_pairs: int = 0         # query-key pairs of chunks that continue one (masked, padded to blocks)
     prefill_chunks: int = 0
     decode_groups: int = 0        # cascade groups of decodes sharing a prefix
@@ -102,7 +106,10 @@ class BatchShape(NamedTuple):
                 continue
             prefill += n
             count += 1
-            if start == 0:
+            if in_place:
+                fresh += kernel_pairs(start, n)
+                kv += -(-(start + n) // KERNEL_TILE) * KERNEL_TILE
+            elif start == 0:
                 fresh += causal_pairs(n)
             else:
                 keys = -(-(start + n) // block_size) * block_size
@@ -144,6 +151,15 @@ def causal_pairs(n: int) -> int:
     keys = min(KEY_TILE, n)
     return sum(min(tile, n - first) * min(-(-min(first + tile, n) // keys) * keys, n)
                for first in range(0, n, tile))
+
+
+def kernel_pairs(start: int, n: int) -> int:
+    """Query-key pairs the paged kernel computes for a chunk of n positions after `start` others:
+    position i attends the 16-key tiles up to its own key, start + i + 1 keys rounded up."""
+    def upto(keys: int) -> int:                       # sum over k = 1 .. keys of k rounded up to a tile
+        tiles, rest = divmod(keys, KERNEL_TILE)
+        return KERNEL_TILE * (KERNEL_TILE * tiles * (tiles + 1) // 2 + rest * (tiles + 1))
+    return upto(start + n) - upto(start)
 
 
 class _Chunk(NamedTuple):
@@ -220,7 +236,7 @@ class CostModel:
     decode_link: Link | None = None              # decode one (None: as record_link); measured here
                                                  # 0.09-0.10 ms a block against 0.05-0.06 to encode
     fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
-    decode_in_place: bool = False                # the engine fitted on read decodes' blocks in place
+    decode_in_place: bool = False                # the engine fitted on read blocks in place (decodes, prefill chunks)
 
     def __post_init__(self) -> None:
         if len(self.compute) != len(FEATURES) or len(self.memory) != len(FEATURES):
