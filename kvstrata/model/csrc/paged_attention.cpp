@@ -116,6 +116,23 @@ INLINE v16 exp16(v16 x) {
     return p * scale;
 }
 
+// One row's online softmax over a tile's scores s (lanes not `valid` ignored): its weights into p, its
+// running max m and sum l updated. The old sums are rescaled only when the max grows, which after the
+// first tiles it seldom does.
+INLINE void softmax_tile(v16 s, i16v valid, float& m, float& l, float* acc, float* p, int c) {
+    s = valid ? s : splat(-INFINITY);
+    const float m_new = std::fmax(m, lanes_max(s));
+    const v16 e = valid ? exp16(s - m_new) : splat(0.f);
+    store(p, e);
+    if (m_new > m) {                                     // rescale what was summed under the old max
+        const float alpha = std::exp(m - m_new);         // 0 on the first tile
+        l *= alpha;
+        for (int x = 0; x < c; ++x) store(acc + x * W, load(acc + x * W) * alpha);
+        m = m_new;
+    }
+    l += lanes_sum(e);
+}
+
 // acc (R rows of d) += p (R rows of W weights) times the tile's V rows [lo, hi): each element's sum runs
 // over the keys in order; X vectors of each row at once, so R * X chains of sums are in flight, not R.
 template <int R, int X, typename T>
@@ -140,8 +157,7 @@ INLINE void add_pv(float* acc, const float (*p)[W], const T* vf, int lo, int hi,
 }
 
 // One tile of W keys (K rows kf, V rows vf, d values each; keys [lo, hi) valid) for R query rows
-// (q, acc: R rows of d floats; their running max m and sum l). The old sums are rescaled only when
-// the max grows, which after the first tiles it seldom does.
+// (q, acc: R rows of d floats; their running max m and sum l).
 template <int R, typename T>
 INLINE void rows(const float* q, float* acc, float* m, float* l, const T* kf, const T* vf,
                  i16v valid, int lo, int hi, int c, int d) {
@@ -157,20 +173,7 @@ INLINE void rows(const float* q, float* acc, float* m, float* l, const T* kf, co
         for (int r = 0; r < R; ++r) dots[r][j] = s[r];
     }
     alignas(64) float p[R][W];
-    for (int r = 0; r < R; ++r) {
-        v16 s = transpose_sum(dots[r]);
-        s = valid ? s : splat(-INFINITY);
-        const float m_new = std::fmax(m[r], lanes_max(s));
-        const v16 e = valid ? exp16(s - m_new) : splat(0.f);
-        store(p[r], e);
-        if (m_new > m[r]) {                              // rescale what was summed under the old max
-            const float alpha = std::exp(m[r] - m_new);  // 0 on the first tile
-            l[r] *= alpha;
-            for (int x = 0; x < c; ++x) store(acc + r * d + x * W, load(acc + r * d + x * W) * alpha);
-            m[r] = m_new;
-        }
-        l[r] += lanes_sum(e);
-    }
+    for (int r = 0; r < R; ++r) softmax_tile(transpose_sum(dots[r]), valid, m[r], l[r], acc + r * d, p[r], c);
     add_pv<R>(acc, p, vf, lo, hi, c, d);
 }
 
@@ -254,7 +257,7 @@ template <int R>
 INLINE void lane_products(v16* out, const float* q, int d, const float* kt, int l, int c) {
     const v16 k0 = load(kt + l * W);
     for (int r = 0; r < R; ++r) out[r] = splat(q[r * d + l]) * k0;
-    if (c == 1)            // a bare product: keep the compiler from fusing it into lane_tree's add (rows cannot)
+    if (c == 1)     // a bare product: keep the compiler from fusing it into lane_tree's add (`rows` adds after a shuffle)
         for (int r = 0; r < R; ++r) asm("" : "+m"(out[r]));
     for (int x = 1; x < c; ++x) {
         const v16 k = load(kt + (l + x * W) * W);
@@ -286,19 +289,7 @@ INLINE void rows_transposed(const float* q, float* acc, float* m, float* l, cons
     i16v valid;
     for (int j = 0; j < W; ++j) valid[j] = j < hi ? -1 : 0;
     alignas(64) float p[R][W];
-    for (int r = 0; r < R; ++r) {
-        const v16 sr = valid ? s[r] : splat(-INFINITY);
-        const float m_new = std::fmax(m[r], lanes_max(sr));
-        const v16 e = valid ? exp16(sr - m_new) : splat(0.f);
-        store(p[r], e);
-        if (m_new > m[r]) {
-            const float alpha = std::exp(m[r] - m_new);
-            l[r] *= alpha;
-            for (int x = 0; x < c; ++x) store(acc + r * d + x * W, load(acc + r * d + x * W) * alpha);
-            m[r] = m_new;
-        }
-        l[r] += lanes_sum(e);
-    }
+    for (int r = 0; r < R; ++r) softmax_tile(s[r], valid, m[r], l[r], acc + r * d, p[r], c);
     add_pv<R>(acc, p, vf, 0, hi, c, d);
 }
 
@@ -316,7 +307,7 @@ INLINE void prepare_tile(float* kt, float* vt, const T* kp, const T* vp, const i
             for (int e = 0; e < d; ++e) kt[e * W + j] = 0.f;
             continue;
         }
-        const int64_t row = table[key / bs] * bs + key % bs;    // a whole tile lies in the key's block
+        const int64_t row = table[key / bs] * bs + key % bs;    // blocks of W or more: past `end`, still its block
         for (int x = 0; x < c; ++x) {
             const v16 kx = load(kp + row * d + x * W);
             for (int e = 0; e < W; ++e) kt[(x * W + e) * W + j] = kx[e];
