@@ -28,8 +28,9 @@ the two partial results merge exactly by their log-sum-exp (LSE):
                        own    rows [grouped, nd)     whole contexts, batched
 
 With the kernel, each decode's own part (from its group's prefix on, or its whole context) comes
-from the kernel with its LSE, and only the groups' prefixes are gathered and attended by `attend`.
-Without it, grouped rows need the LSE, which SDPA does not return, so their softmax is written out (`attend`:
+from the kernel with its LSE, and each group's prefix from the kernel's many-rows path (all the
+group's rows against the prefix's tiles, each made ready once): nothing is gathered. Without it,
+grouped rows need the LSE, which SDPA does not return, so their softmax is written out (`attend`:
 two matmuls, max, exp, sum; float32 scores). Ungrouped rows keep one SDPA call, as before cascade
 attention: at batch 1 every extra op per layer costs time, and their results stay bit for bit
 what they were. Each batched segment pads its sequences to its longest and masks the rest, so
