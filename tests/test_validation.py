@@ -98,21 +98,14 @@ def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, i
     kernel = 0 if call is None else sum(-(-int(n) // tile) * tile - int(f) // tile * tile
                                         for f, n in zip(call.first, call.lens))
     ready = pairs = 0
-    assert rows == 0 and not plan.prefills and not plan.prefixes, "in place, nothing is gathered"
     if prefill is not None:
-        assert bool(prefill.causal.all())
+        assert not plan.prefills
         for s, keys in enumerate(prefill.lens.tolist()):
             n = int(prefill.starts[s + 1] - prefill.starts[s])
             ready += -(-keys // tile) * tile
             pairs += sum(-(-(keys - n + 1 + i) // tile) * tile for i in range(n))
-    if plan.prefix_rows is not None:                # each group's prefix: made ready once, attended by each member
-        shared = plan.prefix_rows
-        assert not bool(shared.causal.any())
-        for s, keys in enumerate(shared.lens.tolist()):
-            ready += -(-keys // tile) * tile
-            prefixes += int(shared.starts[s + 1] - shared.starts[s]) * keys
     lone = kernel if len(decodes) == 1 else 0
-    return ready, kernel, int(call is not None), lone, prefixes, pairs
+    return rows // planes * BS + ready, kernel, int(call is not None), lone, prefixes, pairs
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])

@@ -28,9 +28,10 @@ the two partial results merge exactly by their log-sum-exp (LSE):
                        own    rows [grouped, nd)     whole contexts, batched
 
 With the kernel, each decode's own part (from its group's prefix on, or its whole context) comes
-from the kernel with its LSE, and each group's prefix from the kernel's many-rows path (all the
-group's rows against the prefix's tiles, each made ready once): nothing is gathered. Without it,
-grouped rows need the LSE, which SDPA does not return, so their softmax is written out (`attend`:
+from the kernel with its LSE, and only the groups' prefixes are gathered and attended by `attend`
+(bf16 matmuls: the kernel's many-rows path, all of a group's rows against the prefix's tiles,
+measured slower in bf16 (16 decodes over 1,024 shared tokens: shared / distinct 1.14-1.28 against
+0.98-1.06) and no faster in fp32 (0.76 both)). Without it, grouped rows need the LSE, which SDPA does not return, so their softmax is written out (`attend`:
 two matmuls, max, exp, sum; float32 scores). Ungrouped rows keep one SDPA call, as before cascade
 attention: at batch 1 every extra op per layer costs time, and their results stay bit for bit
 what they were. Each batched segment pads its sequences to its longest and masks the rest, so
@@ -119,17 +120,15 @@ class KernelCall:
 
 @dataclass
 class KernelRows:
-    """Rows [start, end) through the kernel's many-rows path in segments: segment s is rows
-    start + starts[s] .. start + starts[s + 1] - 1 and reads the blocks tables[s]; its last row sees
-    keys [0, lens[s]), and with causal[s] each earlier row a key less (a prefill chunk's positions),
-    else the same keys (a decode group's rows over its shared prefix)."""
+    """Prefill rows [start, end) through the kernel's many-rows path, one segment per chunk: segment s
+    is rows start + starts[s] .. start + starts[s + 1] - 1 and reads the blocks tables[s]; its last
+    position sees keys [0, lens[s]), each earlier one a key less."""
 
     start: int
     end: int
     tables: torch.Tensor           # (S, max_blocks) int64
     starts: torch.Tensor           # (S + 1,) int64
     lens: torch.Tensor             # (S,) int64
-    causal: torch.Tensor           # (S,) int64, 1 or 0
 
 
 @dataclass
@@ -144,9 +143,8 @@ class AttentionPlan:
     prefixes: list[DecodeSegment]             # one per DecodeGroup, shared
     prefills: list[PrefillChunk]              # chunks attended in torch (no kernel)
     in_place: KernelCall | None               # decodes through the kernel (their own part, after any
-                                              # group's prefix); they leave `own` and `prefixes` empty
+                                              # group's prefix); they leave `own` empty
     rows: KernelRows | None                   # every prefill chunk, when the kernel reads this cache
-    prefix_rows: KernelRows | None            # with in_place: the groups' shared prefixes, a segment each
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -217,25 +215,19 @@ class PagedAttention:
         groups = [] if every_row else batch.decode_groups
         decode_rows, grouped, own, prefixes = self._plan_decodes(batch, groups, seq_lens, block_size, num_blocks,
                                                                  dtype, kernel) if nd else (None, 0, [], [])
-        in_place = prefix_rows = None
+        in_place = None
         if nd and kernel:
             first = torch.zeros(nd, dtype=torch.int64, device=device)
             for group in groups:
                 first[group.start:group.end] = group.prefix_blocks * block_size
             in_place = KernelCall(0, nd, batch.block_tables[:nd], first, batch.seq_lens[:nd])
-        if groups and kernel:
-            starts = torch.tensor([group.start for group in groups] + [grouped], device=device)
-            prefix_rows = KernelRows(0, grouped, batch.block_tables[starts[:-1]], starts,
-                                     torch.tensor([group.prefix_blocks * block_size for group in groups], device=device),
-                                     torch.zeros(len(groups), dtype=torch.int64, device=device))
         prefills, rows = [], None
         for b in range(nd, batch.num_seqs):
             n = qsl[b + 1] - qsl[b]
             assert 0 < n <= seq_lens[b], f"chunk of {n} tokens in a sequence of {seq_lens[b]}"
         if kernel and batch.num_seqs > nd:
             starts = torch.tensor(qsl[nd:], dtype=torch.int64, device=device) - qsl[nd]
-            rows = KernelRows(qsl[nd], qsl[-1], batch.block_tables[nd:], starts, batch.seq_lens[nd:],
-                              torch.ones(batch.num_seqs - nd, dtype=torch.int64, device=device))
+            rows = KernelRows(qsl[nd], qsl[-1], batch.block_tables[nd:], starts, batch.seq_lens[nd:])
         for b in range(nd, batch.num_seqs) if rows is None else ():
             start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
             n = end - start
@@ -248,15 +240,14 @@ class PagedAttention:
             mask = _additive(keys[None, :] <= last_visible[:, None], dtype)   # (n, nblk * bs)
             prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, :nblk], planes, num_blocks),
                                          mask))
-        return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills, in_place, rows,
-                             prefix_rows)
+        return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills, in_place, rows)
 
     def _plan_decodes(self, batch: ForwardBatch, groups: list[DecodeGroup], seq_lens: list[int], block_size: int,
                       num_blocks: int, dtype: torch.dtype, in_place: bool
                       ) -> tuple[torch.Tensor | None, int, list[DecodeSegment], list[DecodeSegment]]:
         """The gather rows of every decode segment (one tensor; None if there are none), the number of
         grouped decodes, the own segments and the prefix segments. `in_place`: the kernel reads the
-        decodes' blocks, their own and their groups' prefixes, so nothing is gathered."""
+        decodes' own blocks, so there are no own segments and only the prefixes are gathered."""
         nd, tables = batch.num_decodes, batch.block_tables
         device = tables.device
         grouped = groups[-1].end if groups else 0
@@ -270,12 +261,10 @@ class PagedAttention:
             first_own[group.start:group.end] = [group.prefix_blocks] * (group.end - group.start)
             expected = group.end
         assert grouped <= nd, "groups hold decodes only"
-        if in_place:
-            return None, grouped, [], []
         planes = 2 * self.num_kv_heads
         rows, own, prefixes, offset = [], [], [], 0
         for start, end in ((0, grouped), (grouped, nd)):
-            if start == end:
+            if start == end or in_place:
                 continue
             blocks = max(-(-seq_lens[b] // block_size) - first_own[b] for b in range(start, end))
             first = torch.tensor(first_own[start:end], device=device)[:, None]
@@ -371,21 +360,20 @@ class PagedAttention:
                   out: torch.Tensor) -> None:
         """Decode rows [call.start, call.end) of q (T, H, D) through the paged kernel (their blocks read
         in place, in float32) into out (T, H * D); grouped decodes get their group's prefix merged in."""
-        n, pre = call.end - call.start, plan.prefix_rows
+        n, grouped = call.end - call.start, plan.grouped
         qf, o, lse = self._kernel_buffers(q, call.start, call.end)
-        self.kernel(qf, kv_layer, call.tables, call.first, call.lens, self.head_dim ** -0.5, o, lse)
-        if pre is not None:
-            q_pre = qf[:pre.end]
-            o_pre, lse_pre = torch.empty_like(q_pre), torch.empty(q_pre.shape[:3])
-            self.kernel.rows(q_pre, kv_layer, pre.tables, pre.starts, pre.lens, pre.causal, self.head_dim ** -0.5,
-                             o_pre, lse_pre)
-            o[:pre.end].lerp_(o_pre, torch.sigmoid(lse_pre.sub_(lse[:pre.end])).unsqueeze(-1))
-        out[call.start:call.end] = o.view(n, -1)
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        self.kernel(qf, kv_layer, call.tables, call.first, call.lens, d ** -0.5, o, lse)
+        if grouped:
+            qd = q[:grouped].view(grouped, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)
+            self._merge_prefixes(qd, o[:grouped].transpose(0, 1), lse[:grouped].transpose(0, 1).unsqueeze(-1),
+                                 self._gather(kv_layer, plan.decode_rows), plan.prefixes)
+        out[call.start:call.end] = o.view(n, kvh * g * d)
 
     def _rows(self, q: torch.Tensor, kv_layer: torch.Tensor, rows: KernelRows, out: torch.Tensor) -> None:
         """Prefill rows [rows.start, rows.end) of q (T, H, D) through the kernel into out (T, H * D)."""
         qf, o, lse = self._kernel_buffers(q, rows.start, rows.end)
-        self.kernel.rows(qf, kv_layer, rows.tables, rows.starts, rows.lens, rows.causal, self.head_dim ** -0.5, o, lse)
+        self.kernel.rows(qf, kv_layer, rows.tables, rows.starts, rows.lens, self.head_dim ** -0.5, o, lse)
         out[rows.start:rows.end] = o.view(rows.end - rows.start, -1)
 
     def _kernel_buffers(self, q: torch.Tensor, start: int, end: int
