@@ -54,7 +54,7 @@ def chunk_ms(kernel, kvs: list[torch.Tensor], n: int, cached: int, repeat: int) 
     table = torch.randperm(kvs[0].shape[2])[:-(-keys // BS)][None]
     q = torch.randn(n, KVH, G, D)
     out, lse = torch.empty_like(q), torch.empty(n, KVH, G)
-    starts, lens, causal = torch.tensor([0, n]), torch.tensor([keys]), torch.ones(1, dtype=torch.int64)
+    starts, lens = torch.tensor([0, n]), torch.tensor([keys])
     qs = q.view(n, KVH * G, D).to(dtype).transpose(0, 1)[None]            # (1, H, n, D), as the model has it
     visible = torch.arange(table.shape[1] * BS)[None] <= torch.arange(cached, keys)[:, None]
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))     # once per step
@@ -70,7 +70,7 @@ def chunk_ms(kernel, kvs: list[torch.Tensor], n: int, cached: int, repeat: int) 
             F.scaled_dot_product_attention(qs, gathered[0][None], gathered[1][None], attn_mask=mask, enable_gqa=True)
 
     def rows(kv: torch.Tensor) -> None:
-        kernel.rows(q, kv, table, starts, lens, causal, D ** -0.5, out, lse)
+        kernel.rows(q, kv, table, starts, lens, D ** -0.5, out, lse)
 
     times: dict = {rows: [], sdpa: []}
     for r in range(repeat + 1):

@@ -92,29 +92,27 @@ def rows_case(dtype, bs, g, d, seed):
     return torch.randn(sum(sizes), kvh, g, d, generator=gen), kv, tables, starts, lens
 
 
-def per_position(tables, starts, lens, causal):
+def per_position(tables, starts, lens):
     """The decode kernel's view of a rows call: each position's table row, first key and key count."""
     table_rows, ends = [], []
     for s in range(len(lens)):
         n = int(starts[s + 1] - starts[s])
         table_rows += [s] * n
-        ends += [int(lens[s]) - (n - 1 - i if causal else 0) for i in range(n)]
+        ends += [int(lens[s]) - (n - 1 - i) for i in range(n)]
     return tables[table_rows], torch.zeros(len(ends), dtype=torch.int64), torch.tensor(ends)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("causal", [1, 0], ids=["causal", "all-keys"])
-def test_rows_equal_float64_attention_and_the_decode_path_bit_for_bit(kernel, dtype, causal):
-    """Prefill chunks (causal) and a group's rows over a shared prefix (every row sees every key) through
-    the many-rows path: within float32 rounding of float64 attention, and each row bit-identical to what
-    the decode kernel gives it, so a token's K/V do not depend on the path that computed them. Runs of
+def test_rows_equal_float64_attention_and_the_decode_path_bit_for_bit(kernel, dtype):
+    """Prefill chunks through the many-rows path: within float32 rounding of float64 attention, and each
+    row bit-identical to what the decode kernel gives it, so a token's K/V do not depend on the path that computed them. Runs of
     4, 3 and 1 rows (G = 3 and 7 at the diagonal, G = 1 and 16) and head dim 16 (one vector per row)."""
     cases = 0
     for bs, (g, d) in itertools.product((1, 4, 16, 32), ((1, 16), (3, 64), (7, 32), (16, 16), (2, 128))):
         q, kv, tables, starts, lens = rows_case(dtype, bs, g, d, seed=cases)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
-        kernel.rows(q, kv, tables, starts, lens, torch.full((3,), causal), d ** -0.5, out, lse)
-        position_tables, first, ends = per_position(tables, starts, lens, causal)
+        kernel.rows(q, kv, tables, starts, lens, d ** -0.5, out, lse)
+        position_tables, first, ends = per_position(tables, starts, lens)
         ref_out, ref_lse = reference(q, kv, position_tables, first, ends)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
         torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0)

@@ -52,7 +52,7 @@ class PagedDecode:
                              ctypes.c_float, ptr, ptr]
         self._rows = lib.kvs_paged_rows
         self._rows.restype = None
-        self._rows.argtypes = [ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+        self._rows.argtypes = [ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                ctypes.c_float, ptr, ptr]
         self.max_group = lib.kvs_max_group()
         self._head_dim_ok = lib.kvs_supports_head_dim
@@ -78,18 +78,18 @@ class PagedDecode:
                  scale, out.data_ptr(), lse.data_ptr())
 
     def rows(self, q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor,
-             lens: torch.Tensor, causal: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+             lens: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Attention of q (T, KVH, G, D) float32, in segments of positions: segment s is rows
-        [starts[s], starts[s + 1]), reads the blocks tables[s] and its last position sees keys [0, lens[s]);
-        with causal[s], position i of its n sees keys [0, lens[s] - n + 1 + i), else the same as the last.
-        Into out (T, KVH, G, D) and lse (T, KVH, G), float32; starts (S + 1,), lens and causal (S,) int64."""
+        [starts[s], starts[s + 1]) and reads the blocks tables[s]; position i of its n sees keys
+        [0, lens[s] - n + 1 + i). Into out (T, KVH, G, D) and lse (T, KVH, G), float32; starts (S + 1,)
+        and lens (S,) int64."""
         segments = lens.shape[0]
         _check(q, kv_layer, tables, out, lse)
-        assert starts.dtype == lens.dtype == causal.dtype == torch.int64 and tables.shape[0] == segments
-        assert starts.shape == (segments + 1,) and causal.shape == (segments,) and int(starts[-1]) <= q.shape[0]
-        assert starts.is_contiguous() and lens.is_contiguous() and causal.is_contiguous()
+        assert starts.dtype == lens.dtype == torch.int64 and tables.shape[0] == segments
+        assert starts.shape == (segments + 1,) and int(starts[-1]) <= q.shape[0]
+        assert starts.is_contiguous() and lens.is_contiguous()
         self._rows(q.data_ptr(), kv_layer.data_ptr(), int(kv_layer.dtype == torch.bfloat16), tables.data_ptr(),
-                   tables.stride(0), starts.data_ptr(), lens.data_ptr(), causal.data_ptr(), segments, *q.shape[1:],
+                   tables.stride(0), starts.data_ptr(), lens.data_ptr(), segments, *q.shape[1:],
                    kv_layer.shape[2], kv_layer.shape[3], scale, out.data_ptr(), lse.data_ptr())
 
 

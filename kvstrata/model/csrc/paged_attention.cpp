@@ -244,7 +244,7 @@ INLINE void attend_item(const Item& it, int g, int d, int bs, float scale) {
 }
 
 // Many query rows against one key tile: prefill chunks (a row per position and query head, each
-// seeing keys [0, its position]) and a decode group's rows over the group's shared prefix. The tile's
+// seeing keys [0, its position]). The tile's
 // K is transposed into floats once (Kt: key j of element x at Kt[x * W + j]) and read by every row,
 // so a row's 16 scores come out as one vector, no horizontal sums. Each score is summed in exactly
 // the order of `rows` above (per lane l: the products of elements l, l + 16, ... in turn; then the
@@ -329,7 +329,7 @@ void prepare_tile_bf16(float* kt, float* vt, const uint16_t* kp, const uint16_t*
 struct RowItem {
     const float* q;          // its first position's rows: (G, D) per position, `stride` floats apart
     const float* tiles;      // its (segment, kv head)'s prepared tiles: Kt (D x W) then V (W x D), each
-    int64_t len0, step;      // position i of the item sees keys [0, len0 + i * step)
+    int64_t len0;            // position i of the item sees keys [0, len0 + i)
     int positions;
     int64_t stride;          // floats from one position's rows to the next (in q, out; lse: / D)
     float* out;              // like q
@@ -348,7 +348,7 @@ INLINE void attend_rows(const RowItem& it, int g, int d, float scale) {
             q[p * g * d + i] = it.q[p * it.stride + i] * scale;
             acc[p * g * d + i] = 0.f;
         }
-    for (int r = 0; r < n; ++r) { m[r] = -INFINITY; l[r] = 0.f; len[r] = it.len0 + (r / g) * it.step; }
+    for (int r = 0; r < n; ++r) { m[r] = -INFINITY; l[r] = 0.f; len[r] = it.len0 + r / g; }
     const int64_t end = len[n - 1];
     int first_row = 0;                                   // rows before it see no key of this tile
     for (int64_t tile = 0; tile < end; tile += W) {
@@ -419,11 +419,10 @@ void kvs_paged_decode(const float* q, const void* kv, int bf16, const int64_t* t
 
 // Query rows of segments of positions, each segment's positions reading one block table: q (T, kvh, g, d)
 // float32 (T rows; segment s is rows [starts[s], starts[s + 1])); tables (S, table_stride) int64; lens (S,):
-// the keys its last position sees; causal (S,): 1 if position i of n sees keys [0, lens - n + 1 + i), 0
-// if every position sees [0, lens). out like q, lse (T, kvh, g). Same requirements as kvs_paged_decode,
-// and every position sees at least one key.
+// position i of a segment's n sees keys [0, lens - n + 1 + i). out like q, lse (T, kvh, g). Same
+// requirements as kvs_paged_decode, and every position sees at least one key.
 void kvs_paged_rows(const float* q, const void* kv, int bf16, const int64_t* tables, int64_t table_stride,
-                    const int64_t* starts, const int64_t* lens, const int64_t* causal, int64_t segments,
+                    const int64_t* starts, const int64_t* lens, int64_t segments,
                     int64_t kvh, int64_t g, int64_t d, int64_t num_blocks, int64_t bs, float scale, float* out,
                     float* lse) {
     // Positions per item: as many as MAX_ROWS holds, fewer when that would leave threads idle.
@@ -467,10 +466,10 @@ void kvs_paged_rows(const float* q, const void* kv, int bf16, const int64_t* tab
         for (int64_t i = 0; i < items; ++i) {
             const auto [s, t0] = chunks[i / kvh];
             const int64_t h = i % kvh, n = starts[s + 1] - starts[s], i0 = t0 - starts[s];
-            const int64_t step = causal[s] ? 1 : 0, len0 = lens[s] - (n - 1) * step + i0 * step;
+            const int64_t len0 = lens[s] - (n - 1) + i0;
             const int count = static_cast<int>(starts[s + 1] - t0 < positions ? starts[s + 1] - t0 : positions);
             const int64_t row = t0 * stride + h * g * d, per = tile_first[s + 1] - tile_first[s];
-            const RowItem it{q + row, tiles + (tile_first[s] * kvh + h * per) * tile_floats, len0, step, count, stride,
+            const RowItem it{q + row, tiles + (tile_first[s] * kvh + h * per) * tile_floats, len0, count, stride,
                              out + row, lse + row / d};
             attend_rows_cloned(it, static_cast<int>(g), static_cast<int>(d), scale);
         }
