@@ -71,8 +71,7 @@ class BatchShape(NamedTuple):
     is what TPOT at light load measures.
     Every prefill chunk also costs a fixed amount (its own SDPA call and plan in every layer).
     An engine whose decodes read their blocks in place (`in_place`: the paged kernel,
-    kvstrata.model.kernels) gathers nothing; it reads each group's shared prefix once (made ready
-    for all the group's rows, counted as `kv_tokens_read`); each decode attends its own
+    kvstrata.model.kernels) gathers only the groups' shared prefixes; each decode attends its own
     keys unpadded (16-key tiles from its group's prefix on), all decodes in one call per layer
     (one segment), and a lone decode is a step with a single decode (its kv heads are the only
     work items the threads share). Its prefill chunks, fresh or not, go through the kernel too
@@ -182,7 +181,7 @@ class _DecodeWork(NamedTuple):
 
 def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeWork:
     """What the decodes cost as the runner forms them: KV tokens gathered (each segment padded to
-    its longest member, shared prefixes once; in place: the prefixes, read once), cascade groups,
+    its longest member, shared prefixes once; in place: the prefixes only), cascade groups,
     query-key pairs attended (each prefix once per member) and batched attention segments."""
     if not decodes:
         return _DecodeWork(0, 0, 0, 0, 0, 0)
