@@ -59,7 +59,7 @@ def chunk_ms(kernel, kvs: list[torch.Tensor], n: int, cached: int, repeat: int) 
     visible = torch.arange(table.shape[1] * BS)[None] <= torch.arange(cached, keys)[:, None]
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))     # once per step
     own = {id(kv): kv[:, :, table[0]].flatten(2, 3)[:, :, :n].transpose(1, 2).contiguous().transpose(1, 2)
-           for kv in kvs}                          # a fresh chunk's K/V as the projections leave them: (2, KVH, n, D)
+           for kv in kvs if cached == 0}           # a fresh chunk's K/V as the projections leave them: (2, KVH, n, D)
 
     def sdpa(kv: torch.Tensor) -> None:
         if cached == 0:                                                  # the chunk's own K/V, no gather

@@ -31,8 +31,9 @@ With the kernel, each decode's own part (from its group's prefix on, or its whol
 from the kernel with its LSE, and only the groups' prefixes are gathered and attended by `attend`
 (bf16 matmuls: the kernel's many-rows path, all of a group's rows against the prefix's tiles,
 measured slower in bf16 (16 decodes over 1,024 shared tokens: shared / distinct 1.14-1.28 against
-0.98-1.06) and no faster in fp32 (0.76 both)). Without it, grouped rows need the LSE, which SDPA does not return, so their softmax is written out (`attend`:
-two matmuls, max, exp, sum; float32 scores). Ungrouped rows keep one SDPA call, as before cascade
+0.98-1.06) and no faster in fp32 (0.76 both)). Without it, grouped rows need the LSE, which SDPA
+does not return, so their softmax is written out (`attend`: two matmuls, max, exp, sum; float32
+scores). Ungrouped rows keep one SDPA call, as before cascade
 attention: at batch 1 every extra op per layer costs time, and their results stay bit for bit
 what they were. Each batched segment pads its sequences to its longest and masks the rest, so
 grouped decodes (short own parts) are never padded to the length of an ungrouped one.
@@ -48,10 +49,11 @@ at 600 tokens, SDPA another 28%) until the paged kernel: on 16 x 600 bf16 keys p
 thread, a 30,000-block cache) 0.61-0.67 ms against 1.24 ms for gather + SDPA, and a bf16 model
 step at batch 32 x 600 92-102 ms against 150-176 ms. Prefill chunks took torch's CPU flash SDPA
 (bf16 at 56-100 GFLOP/s here; a chunk after cached tokens also gathered its blocks and built a
-mask) until the kernel's many-rows path: per layer (SmolLM2's heads, 2 threads, interleaved runs)
-a 512-token prompt 2.0-2.2 ms against 3.6-4.0 ms for SDPA, 1,024 tokens 8.1-8.4 against 10.7-11.2,
-128 tokens after 512 cached 1.2 against 1.3; a bf16 prefill step of 512 tokens 216-217 ms against
-292-303 ms, of 1,024 tokens 570-595 against 687-695 (bench/model_step.py --prefills).
+mask) until the kernel's many-rows path: per layer in bf16 (SmolLM2's heads, 2 threads,
+bench/paged_kernel.py --chunks) a 512-token prompt 0.51x SDPA's time, 1,024 tokens 0.64x, 128
+tokens after 512 cached 0.65-0.71x, 64 after 1,024 0.79x; a bf16 prefill step of 512 tokens
+216-217 ms against 292-303 ms, of 1,024 tokens 570-595 against 687-695 (bench/model_step.py
+--prefills, interleaved runs).
 
 Exact attention for int8 models (`compute_dtype=torch.float64`). Each kernel above sums in an
 order that depends on the call's shapes (SDPA's tiles follow the key count and the query count; a
@@ -222,15 +224,15 @@ class PagedAttention:
                 first[group.start:group.end] = group.prefix_blocks * block_size
             in_place = KernelCall(0, nd, batch.block_tables[:nd], first, batch.seq_lens[:nd])
         prefills, rows = [], None
-        for b in range(nd, batch.num_seqs):
-            n = qsl[b + 1] - qsl[b]
-            assert 0 < n <= seq_lens[b], f"chunk of {n} tokens in a sequence of {seq_lens[b]}"
         if kernel and batch.num_seqs > nd:
             starts = torch.tensor(qsl[nd:], dtype=torch.int64, device=device) - qsl[nd]
             rows = KernelRows(qsl[nd], qsl[-1], batch.block_tables[nd:], starts, batch.seq_lens[nd:])
-        for b in range(nd, batch.num_seqs) if rows is None else ():
+        for b in range(nd, batch.num_seqs):
             start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
             n = end - start
+            assert 0 < n <= seq_len, f"chunk of {n} tokens in a sequence of {seq_len}"
+            if rows is not None:                  # the kernel attends every chunk
+                continue
             if n == seq_len:
                 prefills.append(PrefillChunk(start, end, None, None))
                 continue

@@ -84,6 +84,7 @@ class BatchShape(NamedTuple):
     decode_seqs: int = 0
     kv_tokens_read: int = 0       # KV tokens gathered: decode segments (padded) and their shared
                                   # prefixes, and the blocks of each chunk that continues a sequence
+                                  # (in place: every chunk's keys, to its last 16-key tile)
     attention_pairs: int = 0      # query-key pairs computed for chunks that start a sequence (causal_pairs);
                                   # in place: for every chunk (kernel_pairs)
     masked_pairs: int = 0         # query-key pairs of chunks that continue one (masked, padded to blocks)
