@@ -9,7 +9,8 @@
 
 --shared-prefix N gives every decoding sequence the same first N tokens' blocks (as prefix caching
 leaves them) and the runner's decode groups (kvstrata.model.prefix_groups), so attention reads
-them once per group. --profile prints, per run, the time spent gathering KV blocks and in the
+them once per group where a group pays; --group-cost-tokens 0 groups them always, 10**9 never
+(the evidence behind IN_PLACE_GROUP_COST_TOKENS). --profile prints, per run, the time spent gathering KV blocks and in the
 rest of attention beside the whole step, then the op table.
 
 Each figure is the fastest of --repeat steps after warm-up (on a shared 2-core machine the median
@@ -38,20 +39,22 @@ from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.forward_batch import ForwardBatch
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.loader import load_model
-from kvstrata.model.prefix_groups import group_decodes
+from kvstrata.model.prefix_groups import IN_PLACE_GROUP_COST_TOKENS, group_decodes
 
 BLOCK = 16
 
 
-def decode_batch(batch: int, ctx: int, num_blocks: int, gen: torch.Generator, shared: int = 0) -> ForwardBatch:
+def decode_batch(batch: int, ctx: int, num_blocks: int, gen: torch.Generator, shared: int = 0,
+                 group_cost: int = IN_PLACE_GROUP_COST_TOKENS) -> ForwardBatch:
     """`batch` decodes at `ctx` tokens of context; the first `shared` tokens' whole blocks are the same
-    block ids in every table (grouped as the runner groups them), the rest are each sequence's own."""
+    block ids in every table (grouped as `group_decodes` groups them at `group_cost`), the rest are
+    each sequence's own."""
     per_seq, common = -(-ctx // BLOCK), shared // BLOCK
     assert common < per_seq, "each sequence needs a block of its own for the token it decodes"
     ids = torch.randperm(num_blocks, generator=gen)
     own = ids[common:common + batch * (per_seq - common)].view(batch, per_seq - common)
     tables = torch.cat([ids[:common].expand(batch, common), own], dim=1)
-    order, groups = group_decodes(tables.tolist(), [ctx] * batch, BLOCK)
+    order, groups = group_decodes(tables.tolist(), [ctx] * batch, BLOCK, group_cost)
     tables = tables[order]
     pos = torch.full((batch,), ctx - 1)
     slots = tables[:, (ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK
@@ -134,6 +137,9 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=192, help="context of every decoding sequence")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens at the start of every decode's context held in the same blocks")
+    parser.add_argument("--group-cost-tokens", type=int, default=IN_PLACE_GROUP_COST_TOKENS,
+                        help="what a decode group must save to be formed (0: always group a shared prefix; "
+                             "default: the runner's with the paged kernel)")
     parser.add_argument("--prefills", nargs="*", type=int, default=[128, 512])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
@@ -164,7 +170,8 @@ def main() -> None:
         models[name] = (loaded.model, PagedKVCache(spec, num_blocks), loaded.model.step_weight_bytes())
         print(f"{name}: weights read per step {models[name][2] / 1e6:.0f} MB, "
               f"KV {spec.bytes_per_block / 1e3:.0f} kB/block")
-    runs = [(f"decode  batch {b:4d}", decode_batch(b, args.ctx, num_blocks, gen, args.shared_prefix), b)
+    runs = [(f"decode  batch {b:4d}", decode_batch(b, args.ctx, num_blocks, gen, args.shared_prefix,
+                                                  args.group_cost_tokens), b)
             for b in args.batches]
     runs += [(f"prefill {n:4d} tokens", prefill_batch(n, num_blocks, gen), n) for n in args.prefills]
     timings = []

@@ -18,7 +18,7 @@ from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.kvcache.mover import TierBuffers, host_cache
 from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
 from kvstrata.model.loader import LoadedModel
-from kvstrata.model.prefix_groups import group_decodes
+from kvstrata.model.prefix_groups import group_cost_tokens, group_decodes
 from kvstrata.request import TokenLogprob
 from kvstrata.sampler import Sampler
 from kvstrata.scheduler import ScheduledChunk, SchedulerOutput
@@ -80,7 +80,7 @@ class ModelRunner:
             return StepResult({}, {})
         decodes = [c for c in output.chunks if c.num_tokens == 1]
         order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes],
-                                      self.block_size)
+                                      self.block_size, group_cost_tokens(self.decodes_in_place))
         chunks = [decodes[i] for i in order] + [c for c in output.chunks if c.num_tokens != 1]
         batch = self.build_batch(chunks, groups)
         with torch.inference_mode():

@@ -20,7 +20,7 @@ from transformers import LlamaConfig
 from kvstrata.config import ModelConfig
 from kvstrata.model.forward_batch import DecodeGroup
 from kvstrata.model.loader import load_model
-from kvstrata.model.prefix_groups import group_decodes
+from kvstrata.model.prefix_groups import group_cost_tokens, group_decodes
 from kvstrata.request import SamplingParams
 
 ATOL = 1e-4          # float32 logits of magnitude ~10
@@ -210,6 +210,17 @@ def test_group_decodes_picks_the_groups_that_save_most():
     assert group_decodes(tables, lens, 4, group_cost_tokens=100) == ([0, 1, 2, 3, 4], [])
 
 
+def test_in_place_groups_only_where_they_pay():
+    """With the kernel reading blocks in place a group must save far more (IN_PLACE_GROUP_COST_TOKENS):
+    4 decodes sharing 512 tokens are grouped when blocks are gathered, not in place; 16 sharing
+    1,024 are grouped either way."""
+    def shared(k: int, blocks: int) -> tuple[list[list[int]], list[int]]:
+        return [list(range(blocks)) + [1000 + i] for i in range(k)], [blocks * 16 + 1] * k
+    assert group_decodes(*shared(4, 32), 16, group_cost_tokens(in_place=False))[1] == [DecodeGroup(0, 4, 32)]
+    assert group_decodes(*shared(4, 32), 16, group_cost_tokens(in_place=True))[1] == []
+    assert group_decodes(*shared(16, 64), 16, group_cost_tokens(in_place=True))[1] == [DecodeGroup(0, 16, 64)]
+
+
 def test_group_decodes_never_shares_the_block_a_decode_writes():
     # 8 tokens in 2 blocks: the token written now is in block 2, so only block 1 may be shared
     assert group_decodes([[1, 2], [1, 2]], [8, 8], 4, group_cost_tokens=0) == ([0, 1], [DecodeGroup(0, 2, 1)])
@@ -229,13 +240,16 @@ QUESTIONS = ["Question: how long is the river?", "Question: name a city on it.",
                          ids=["default", "small-blocks-chunked"])
 def test_engine_greedy_outputs_identical_with_shared_prefixes(make_engine, monkeypatch, options):
     """Caching on: the warm-up puts the background in the cache, the six requests then hold its
-    blocks and decode in groups. Caching off: no block is shared, so no group forms. Same tokens."""
+    blocks and decode in groups (formed whatever they save: a prefix this short would not pay on
+    its own). Caching off: no block is shared, so no group forms. Same tokens."""
     import kvstrata.runner as runner_module
 
     formed: list[DecodeGroup] = []
+    costs: set[int] = set()
 
-    def spy(*args, **kwargs):
-        order, groups = group_decodes(*args, **kwargs)
+    def spy(tables, seq_lens, block_size, cost):
+        costs.add(cost)
+        order, groups = group_decodes(tables, seq_lens, block_size, group_cost_tokens=0)
         formed.extend(groups)
         return order, groups
 
@@ -251,3 +265,4 @@ def test_engine_greedy_outputs_identical_with_shared_prefixes(make_engine, monke
     assert not formed
     assert [o.new_token_ids for o in on] == [o.new_token_ids for o in off]
     assert all(o.num_cached_tokens > 0 for o in on)
+    assert costs == {group_cost_tokens(cached.runner.decodes_in_place)}     # what the runner asks for

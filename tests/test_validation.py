@@ -17,7 +17,7 @@ import torch
 from kvstrata.sim.cost_model import KERNEL_TILE, BatchShape, CostModel, Link, causal_pairs
 from kvstrata.hashing import BlockHasher
 from kvstrata.model.attention import PagedAttention
-from kvstrata.model.prefix_groups import group_decodes
+from kvstrata.model.prefix_groups import group_cost_tokens, group_decodes
 from kvstrata.runner import ModelRunner
 from kvstrata.kvcache.tiers import PROBE_WAIT_S
 from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
@@ -78,7 +78,8 @@ def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, i
     tokens attended by calls for one decode; tokens of the groups' prefixes, per member; in place,
     the query-key pairs the kernel computes for prefill chunks (16-key tiles up to each position)."""
     decodes = [c for c in chunks if c.num_tokens == 1]
-    order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes], BS)
+    order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes], BS,
+                                  group_cost_tokens(in_place))
     ordered = [decodes[i] for i in order] + [c for c in chunks if c.num_tokens != 1]
     batch = ModelRunner.build_batch(SimpleNamespace(block_size=BS, device=torch.device("cpu")), ordered, groups)
     attention = PagedAttention(num_heads=9, num_kv_heads=3, head_dim=64)

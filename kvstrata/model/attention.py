@@ -43,7 +43,11 @@ Measured (bench/model_step.py's shapes, SmolLM2 fp32, 1 thread, process CPU time
 170-194 -> 111-118 ms, its gather 33-34 -> 6-7 ms, the rest of attention 54-63 -> 20-22 ms (now
 the FLOPs of the 16 x 9 query rows over 1,040 keys, which no grouping removes); 32 decodes at 600
 sharing 512, 300 -> 185 ms. Where it loses: a group costs ~40 us per layer more than SDPA, so a
-small one does not pay (see kvstrata.model.prefix_groups.GROUP_COST_TOKENS). Decodes with
+small one does not pay (see kvstrata.model.prefix_groups.GROUP_COST_TOKENS). With the kernel
+reading every decode's blocks in place, a group saves only the kernel's passes over a prefix the
+other members find in cache, and costs ~100-270 us per layer in bf16, so groups are formed from
+~12,000 saved tokens on (IN_PLACE_GROUP_COST_TOKENS; 16 decodes sharing 1,024 tokens qualify,
+4 sharing 512 do not). Decodes with
 distinct contexts copied each of their blocks once per layer and step (25% of a batch-32 step
 at 600 tokens, SDPA another 28%) until the paged kernel: on 16 x 600 bf16 keys per layer (1
 thread, a 30,000-block cache) 0.61-0.67 ms against 1.24 ms for gather + SDPA, and a bf16 model

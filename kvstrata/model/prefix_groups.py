@@ -8,8 +8,8 @@ and read-only, and the one being written belongs to a single request.
 Sorting the decodes by their block tables puts every set of decodes with a common prefix in one
 run; neighbours' longest common prefixes (LCP, in blocks) then describe the whole tree of
 prefixes. A group of k decodes sharing P blocks saves reading (k - 1) * P * block_size tokens of
-KV in every layer, and costs one more attention call and merge per layer, counted here as
-GROUP_COST_TOKENS tokens. `_partition` picks, within each run, either one group over the whole run
+KV in every layer, and costs one more attention call and merge per layer, counted here as a number
+of tokens: `group_cost_tokens`, far more when the paged kernel reads the blocks in place. `_partition` picks, within each run, either one group over the whole run
 (its LCP is the run's smallest neighbour LCP) or the best groups of the sub-runs split at that
 smallest LCP, whichever saves more:
 
@@ -26,14 +26,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# What one group costs, in tokens of KV its members no longer read. `bench/decode_group_cost.py`
-# (SmolLM2's shapes, one layer, 1 thread, CPU time, 2-core AVX2 EPYC): a group's own pass by hand
-# and its prefix pass cost ~40 us per layer more than one SDPA, and with K/V hot in cache a group
-# pays from ~700 saved tokens (4 decodes x 16 shared blocks: -3 us; 16 x 8: -60 us). In a whole
-# model step the saved reads come from memory and pay more: 16 decodes sharing 1,024 tokens save
-# ~0.19 us per token and layer (bench/model_step.py), a break-even near 200 tokens. 512 sits
-# between the two; at worst a misjudged group costs ~1 ms in a step of 40 ms or more.
+# What one group costs, in tokens of KV its members no longer read, when decode attention gathers
+# blocks (no paged kernel: CUDA, or no compiler). `bench/decode_group_cost.py` (SmolLM2's shapes,
+# one layer, 1 thread, CPU time, 2-core AVX2 EPYC): a group's own pass by hand and its prefix pass
+# cost ~40 us per layer more than one SDPA, and with K/V hot in cache a group pays from ~700 saved
+# tokens (4 decodes x 16 shared blocks: -3 us; 16 x 8: -60 us). In a whole model step the saved
+# reads come from memory and pay more: 16 decodes sharing 1,024 tokens save ~0.19 us per token
+# and layer (bench/model_step.py), a break-even near 200 tokens. 512 sits between the two; at worst
+# a misjudged group costs ~1 ms in a step of 40 ms or more.
 GROUP_COST_TOKENS = 512
+
+# The same when the paged kernel reads every decode's blocks in place. Then a group saves no
+# gather, only the kernel's passes over the prefix, which the other members find in the CPU's
+# caches after the first; and it adds a gather of the prefix, `attend` and a merge. Whole bf16
+# model steps, the same block tables with and without groups (bench/model_step.py --shared-prefix
+# with --group-cost-tokens 0 and 10**9; 2 threads, 2-core AVX-512 EPYC), us per layer that the
+# group adds: 4 decodes x 256 shared tokens +268, 4 x 512 +206, 8 x 512 +196, 16 x 512 +214,
+# 4 x 2,048 +104, then 8 x 2,048 -27, 16 x 1,024 -72, 32 x 512 +17, 16 x 2,048 -229, 32 x 1,024
+# -248 (saving 768 ... 31,744 tokens): groups pay from ~14,000 saved tokens. In fp32 no group
+# measured paid reliably (+82 to +407 us; -186 and -71 twice), so the bf16 break-even is the bar.
+IN_PLACE_GROUP_COST_TOKENS = 12_288
+
+
+def group_cost_tokens(in_place: bool) -> int:
+    """What a group must save to be formed: the runner and the simulator's cost model ask alike."""
+    return IN_PLACE_GROUP_COST_TOKENS if in_place else GROUP_COST_TOKENS
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstrata.model.prefix_groups import group_decodes
+from kvstrata.model.prefix_groups import group_cost_tokens, group_decodes
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeW
     if len(decodes) < 2:
         keys = -(-seq_lens[0] // KERNEL_TILE) * KERNEL_TILE if in_place else blocks[0] * block_size
         return _DecodeWork(0 if in_place else keys, 0, keys, 1, keys, 0)
-    order, groups = group_decodes([d.block_ids for d in decodes], seq_lens, block_size)
+    order, groups = group_decodes([d.block_ids for d in decodes], seq_lens, block_size, group_cost_tokens(in_place))
     grouped = groups[-1].end if groups else 0
     own = [blocks[i] for i in order]             # blocks each row reads itself, in batch order
     first = [0] * len(decodes)                   # each row's first key after its group's prefix
