@@ -10,8 +10,8 @@
 --shared-prefix N gives every decoding sequence the same first N tokens' blocks (as prefix caching
 leaves them) and the runner's decode groups (kvstrata.model.prefix_groups), so attention reads
 them once per group where a group pays; --group-cost-tokens 0 groups them always, 10**9 never
-(the evidence behind IN_PLACE_GROUP_COST_TOKENS). --profile prints, per run, the time spent gathering KV blocks and in the
-rest of attention beside the whole step, then the op table.
+(the evidence behind IN_PLACE_GROUP_COST_TOKENS). --profile prints, per run, the time spent
+gathering KV blocks and in the rest of attention beside the whole step, then the op table.
 
 Each figure is the fastest of --repeat steps after warm-up (on a shared 2-core machine the median
 mostly measures the neighbours; it is printed too), beside what the step had to read: the weights

@@ -9,9 +9,10 @@ Sorting the decodes by their block tables puts every set of decodes with a commo
 run; neighbours' longest common prefixes (LCP, in blocks) then describe the whole tree of
 prefixes. A group of k decodes sharing P blocks saves reading (k - 1) * P * block_size tokens of
 KV in every layer, and costs one more attention call and merge per layer, counted here as a number
-of tokens: `group_cost_tokens`, far more when the paged kernel reads the blocks in place. `_partition` picks, within each run, either one group over the whole run
-(its LCP is the run's smallest neighbour LCP) or the best groups of the sub-runs split at that
-smallest LCP, whichever saves more:
+of tokens: `group_cost_tokens`, far more when the paged kernel reads the blocks in place.
+`_partition` picks, within each run, either one group over the whole run (its LCP is the run's
+smallest neighbour LCP) or the best groups of the sub-runs split at that smallest LCP, whichever
+saves more:
 
     sorted tables     LCP with next
     a: [7 5 6 0]      3            block 7 (a system prompt) is shared by all five;
