@@ -39,13 +39,13 @@ from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.forward_batch import ForwardBatch
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.loader import load_model
-from kvstrata.model.prefix_groups import IN_PLACE_GROUP_COST_TOKENS, group_decodes
+from kvstrata.model.prefix_groups import group_cost_tokens, group_decodes
 
 BLOCK = 16
 
 
 def decode_batch(batch: int, ctx: int, num_blocks: int, gen: torch.Generator, shared: int = 0,
-                 group_cost: int = IN_PLACE_GROUP_COST_TOKENS) -> ForwardBatch:
+                 group_cost: int = group_cost_tokens(in_place=True)) -> ForwardBatch:
     """`batch` decodes at `ctx` tokens of context; the first `shared` tokens' whole blocks are the same
     block ids in every table (grouped as `group_decodes` groups them at `group_cost`), the rest are
     each sequence's own."""
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=192, help="context of every decoding sequence")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens at the start of every decode's context held in the same blocks")
-    parser.add_argument("--group-cost-tokens", type=int, default=IN_PLACE_GROUP_COST_TOKENS,
+    parser.add_argument("--group-cost-tokens", type=int, default=group_cost_tokens(in_place=True),
                         help="what a decode group must save to be formed (0: always group a shared prefix; "
                              "default: the runner's with the paged kernel)")
     parser.add_argument("--prefills", nargs="*", type=int, default=[128, 512])

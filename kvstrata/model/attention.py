@@ -29,13 +29,12 @@ the two partial results merge exactly by their log-sum-exp (LSE):
 
 With the kernel, each decode's own part (from its group's prefix on, or its whole context) comes
 from the kernel with its LSE, and only the groups' prefixes are gathered and attended by `attend`
-(bf16 matmuls: the kernel's many-rows path, all of a group's rows against the prefix's tiles,
-measured slower in bf16 (16 decodes over 1,024 shared tokens: shared / distinct 1.14-1.28 against
-0.98-1.06) and no faster in fp32 (0.76 both)). Without it, grouped rows need the LSE, which SDPA
-does not return, so their softmax is written out (`attend`: two matmuls, max, exp, sum; float32
-scores). Ungrouped rows keep one SDPA call, as before cascade
-attention: at batch 1 every extra op per layer costs time, and their results stay bit for bit
-what they were. Each batched segment pads its sequences to its longest and masks the rest, so
+(oneDNN's bf16 matmuls; the kernel's many-rows path instead, all of a group's rows against the
+prefix's tiles, measured slower in bf16 (16 decodes over 1,024 shared tokens: shared / distinct
+1.14-1.28 against 0.98-1.06) and no faster in fp32 (0.76 both)). Without it, grouped rows need
+the LSE, which SDPA does not return, so their softmax is written out (`attend`: two matmuls, max,
+exp, sum; float32 scores). Ungrouped rows keep one SDPA call, as before cascade attention: at
+batch 1 every extra op per layer costs time, and their results stay bit for bit what they were. Each batched segment pads its sequences to its longest and masks the rest, so
 grouped decodes (short own parts) are never padded to the length of an ungrouped one.
 
 Measured (bench/model_step.py's shapes, SmolLM2 fp32, 1 thread, process CPU time on the shared
