@@ -5,12 +5,15 @@
     .venv/bin/python bench/model_step.py --dtypes float32 int8 --batches 1 8 --profile
     .venv/bin/python bench/model_step.py --hf          # transformers on the same weights, same shapes
     .venv/bin/python bench/model_step.py --dtypes float32 --batches 16 --ctx 1040 --shared-prefix 1024
+    .venv/bin/python bench/model_step.py --dtypes bfloat16 --batches 16 --ctx 1040 --in-order --prefills
     .venv/bin/python bench/model_step.py --dtypes int8 --batches 1 8 --compile --profile
 
 --shared-prefix N gives every decoding sequence the same first N tokens' blocks (as prefix caching
 leaves them) and the runner's decode groups (kvstrata.model.prefix_groups), so attention reads
 them once per group where a group pays; --group-cost-tokens 0 groups them always, 10**9 never
-(the evidence behind IN_PLACE_GROUP_COST_TOKENS). --profile prints, per run, the time spent
+(the evidence behind IN_PLACE_GROUP_COST_TOKENS). Decodes' blocks are scattered over the cache
+(as after hours of traffic) unless --in-order (consecutive, as a fresh engine allocates them; the
+kernel reads them faster, see bench/paged_kernel.py). --profile prints, per run, the time spent
 gathering KV blocks and in the rest of attention beside the whole step, then the op table.
 
 Each figure is the fastest of --repeat steps after warm-up (on a shared 2-core machine the median
@@ -45,13 +48,14 @@ BLOCK = 16
 
 
 def decode_batch(batch: int, ctx: int, num_blocks: int, gen: torch.Generator, shared: int = 0,
-                 group_cost: int = group_cost_tokens(in_place=True)) -> ForwardBatch:
+                 group_cost: int = group_cost_tokens(in_place=True), in_order: bool = False) -> ForwardBatch:
     """`batch` decodes at `ctx` tokens of context; the first `shared` tokens' whole blocks are the same
     block ids in every table (grouped as `group_decodes` groups them at `group_cost`), the rest are
-    each sequence's own."""
+    each sequence's own. Block ids are drawn at random (a cache after hours of traffic) or, `in_order`,
+    consecutive (a fresh engine's first allocations)."""
     per_seq, common = -(-ctx // BLOCK), shared // BLOCK
     assert common < per_seq, "each sequence needs a block of its own for the token it decodes"
-    ids = torch.randperm(num_blocks, generator=gen)
+    ids = torch.arange(num_blocks) if in_order else torch.randperm(num_blocks, generator=gen)
     own = ids[common:common + batch * (per_seq - common)].view(batch, per_seq - common)
     tables = torch.cat([ids[:common].expand(batch, common), own], dim=1)
     order, groups = group_decodes(tables.tolist(), [ctx] * batch, BLOCK, group_cost)
@@ -140,6 +144,8 @@ def main() -> None:
     parser.add_argument("--group-cost-tokens", type=int, default=group_cost_tokens(in_place=True),
                         help="what a decode group must save to be formed (0: always group a shared prefix; "
                              "default: the runner's with the paged kernel)")
+    parser.add_argument("--in-order", action="store_true",
+                        help="decodes' blocks consecutive, as a fresh engine allocates them (default: scattered)")
     parser.add_argument("--prefills", nargs="*", type=int, default=[128, 512])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
@@ -154,7 +160,7 @@ def main() -> None:
         label_attention()
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} threads, decode ctx {args.ctx} "
-          f"({args.shared_prefix} shared), block {BLOCK}")
+          f"({args.shared_prefix} shared), block {BLOCK}, blocks {'in order' if args.in_order else 'scattered'}")
     models = {}
     for name, compile_ in [(n, c) for n in args.dtypes for c in (False, True) if c <= args.compile]:
         dtype, quantization = WEIGHTS[name]
@@ -171,7 +177,7 @@ def main() -> None:
         print(f"{name}: weights read per step {models[name][2] / 1e6:.0f} MB, "
               f"KV {spec.bytes_per_block / 1e3:.0f} kB/block")
     runs = [(f"decode  batch {b:4d}", decode_batch(b, args.ctx, num_blocks, gen, args.shared_prefix,
-                                                  args.group_cost_tokens), b)
+                                                  args.group_cost_tokens, args.in_order), b)
             for b in args.batches]
     runs += [(f"prefill {n:4d} tokens", prefill_batch(n, num_blocks, gen), n) for n in args.prefills]
     timings = []
