@@ -34,8 +34,9 @@ prefix's tiles, measured slower in bf16 (16 decodes over 1,024 shared tokens: sh
 1.14-1.28 against 0.98-1.06) and no faster in fp32 (0.76 both)). Without it, grouped rows need
 the LSE, which SDPA does not return, so their softmax is written out (`attend`: two matmuls, max,
 exp, sum; float32 scores). Ungrouped rows keep one SDPA call, as before cascade attention: at
-batch 1 every extra op per layer costs time, and their results stay bit for bit what they were. Each batched segment pads its sequences to its longest and masks the rest, so
-grouped decodes (short own parts) are never padded to the length of an ungrouped one.
+batch 1 every extra op per layer costs time, and their results stay bit for bit what they were.
+Each batched segment pads its sequences to its longest and masks the rest, so grouped decodes
+(short own parts) are never padded to the length of an ungrouped one.
 
 Measured (bench/model_step.py's shapes, SmolLM2 fp32, 1 thread, process CPU time on the shared
 2-core AVX2 EPYC; before -> after): 16 decodes at 1,040 tokens sharing 1,024 of them, a step 170-194

@@ -246,11 +246,11 @@ INLINE void attend_item(const Item& it, int g, int d, int bs, float scale) {
 // Many query rows against one key tile: prefill chunks (a row per position and query head, each
 // seeing keys [0, its position]). The tile's K is transposed into floats once (Kt: key j of element
 // x at Kt[x * W + j]) and read by every row, so a row's 16 scores come out as one vector, no
-// horizontal sums. Each score is summed in exactly
-// the order of `rows` above (per lane l: the products of elements l, l + 16, ... in turn; then the
-// lanes folded by `transpose_sum`'s tree, written out below as `lane_tree`), and the softmax and
-// the P V sums are `rows`' own: a row gets the bits the decode path gives it, so a token's K/V do
-// not depend on whether it was prefilled or decoded, or in which chunk.
+// horizontal sums. Each score is summed in exactly the order of `rows` above (per lane l: the
+// products of elements l, l + 16, ... in turn; then the lanes folded by `transpose_sum`'s tree,
+// written out below as `lane_tree`), and the softmax and the P V sums are `rows`' own: a row gets
+// the bits the decode path gives it, so a token's K/V do not depend on whether it was prefilled or
+// decoded, or in which chunk.
 
 // out[r] = the products of row r's elements l, l + W, l + 2W, ... with the tile's keys, summed in turn.
 template <int R>
