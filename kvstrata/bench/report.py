@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import platform
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvstrata.bench.loadgen import RunResult
 from kvstrata.bench.metrics import RunMetrics
+from kvstrata.machine import machine
 
 ROWS: tuple[tuple[str, str], ...] = (
     ("completed", "completed requests"), ("failed", "failed requests"), ("duration_s", "run time (s)"),
@@ -88,19 +87,13 @@ def table(summary: dict[str, RunMetrics]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
-
-
 def to_json(runs: Sequence[RunResult], summary: dict[str, RunMetrics], config: dict[str, Any]) -> dict[str, Any]:
     def request(r) -> dict:
         return {"start": r.start, "ok": r.ok, "ttft": r.ttft, "tpot": r.tpot, "e2el": r.e2el,
                 "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                 "cached_tokens": r.cached_tokens, "error": r.error or None}
     return {
-        "config": config, "machine": machine(),
+        "config": config, "machine": machine().as_dict(),
         "summary": {label: dataclasses.asdict(m) for label, m in summary.items()},
         "ratios": ratios(summary),
         "runs": [{"label": r.label, "repeat": r.repeat, "seed": r.seed, "duration_s": r.duration,

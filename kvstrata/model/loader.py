@@ -34,9 +34,12 @@ import torch
 from transformers import AutoTokenizer
 
 from kvstrata.config import ModelConfig, cache_dir
+from kvstrata.machine import machine
 from kvstrata.model import gguf_convert, kernels
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
 from kvstrata.model.compiled import compile_layers
+from kvstrata.model.int8 import weight_bits
+from kvstrata.model.int8_choice import Int8Choice
 from kvstrata.model.llama import LlamaModel
 from kvstrata.model.quantize import int8_cache_path, load_or_quantize_int8
 
@@ -57,12 +60,14 @@ class LoadedModel:
     tokenizer: Any | None             # a transformers tokenizer; None for folders without one
     chat_template: str | None
     eos_token_ids: tuple[int, ...]
-    fingerprint: str                  # sha256 hex of the weights' content hashes, the arch and the quantization
+    fingerprint: str                  # sha256 hex of the weights' content hashes, the arch, the quantization
+                                      # (with the int8 kernel) and exact attention
     name: str
     dtype: torch.dtype
     device: torch.device
     folder: Path                      # HF-style folder the weights came from (a GGUF's converted copy)
     quantization: str = "none"        # "int8": linear layers in int8 (kvstrata.model.int8)
+    int8: Int8Choice | None = None    # the int8 kernel this CPU runs, and the figures it was chosen by
 
 
 def default_model_path() -> Path:
@@ -115,6 +120,10 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -
 
 
 def _cpu_has_native_bf16() -> bool:
+    """bf16 in hardware (AVX512-BF16 / AMX; `kvstrata.machine`) and a oneDNN that uses it. oneDNN
+    also runs bf16 on plain AVX-512 and AVX2 by converting, slower than float32 there."""
+    if not machine().native_bf16:
+        return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):     # a torch build without oneDNN
@@ -186,13 +195,17 @@ def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dty
     if (exact_sums or quantization == "int8") and model.attn.reads_in_place(16, dtype, device):
         identity["attention"] = f"paged-kernel-{kernels.REVISION}"
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    int8 = None
     if quantization == "int8":
-        load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_dir(), fingerprint))
+        # The int8 rows are the same on every CPU; the kernel, and so the rounding of activations, is not.
+        int8 = load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_dir(), fingerprint, weight_bits()))
+        identity["int8_kernel"] = int8.kernel_id
+        fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     eos = _eos_token_ids(folder, config, tokenizer)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None), eos_token_ids=eos,
                        fingerprint=fingerprint, name=name, dtype=dtype, device=device, folder=folder,
-                       quantization=quantization)
+                       quantization=quantization, int8=int8)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
