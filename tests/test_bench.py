@@ -128,13 +128,18 @@ def test_bench_offline(tmp_path, capsys):
     prompts, figures = tmp_path / "prompts.json", tmp_path / "offline.json"
     write_cases(prompts, make_cases([1, 3], input_len=20, output_len=5, repeats=2, seed=0))
     assert [len(c.repeats[1]) for c in read_cases(prompts)] == [1, 3]
-    assert main(["bench", "offline", "--prompts", str(prompts), "--json", str(figures),
-                 "--kv-cache-memory", "64MiB", "--dtype", "float32", "--audit-every-step"]) == 0
+    assert main(["bench", "offline", "--prompts", str(prompts), "--json", str(figures), "--quantization", "int8",
+                 "--versus-float32", "--kv-cache-memory", "64MiB", "--audit-every-step"]) == 0
     data = json.loads(figures.read_text())
-    assert [c["num_prompts"] for c in data["cases"]] == [1, 3]
-    for case in data["cases"]:
-        assert len(case["elapsed_s"]) == len(case["cpu_busy"]) == 2
-        assert case["output_tok_s"] >= case["median_output_tok_s"] > 0        # the fastest repeat heads
-        assert case["steps"] >= 5 and 0 < case["weight_gb_s"] < data["memory_read_gb_s"] * 2
-    assert data["weight_bytes"] == 134_515_008 * 4
-    assert "weights GB/s" in capsys.readouterr().out
+    for engine in (data, data["float32"]):                  # int8, then the same cases in float32
+        assert [c["num_prompts"] for c in engine["cases"]] == [1, 3]
+        for case in engine["cases"]:
+            assert len(case["elapsed_s"]) == len(case["cpu_busy"]) == 2
+            assert case["output_tok_s"] >= case["median_output_tok_s"] > 0        # the fastest repeat heads
+            assert case["steps"] >= 5 and 0 < case["weight_gb_s"] < engine["memory_read_gb_s"] * 2
+    assert data["quantization"] == "int8" and data["float32"]["quantization"] == "none"
+    assert data["float32"]["weight_bytes"] == 134_515_008 * 4 > 3.5 * data["weight_bytes"]
+    assert data["machine"]["cores"] >= 1 and "avx2" in data["machine"]["isa"]
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "weights GB/s" in out and "int8 kernel" in out
+    assert "float32 int8 / float32 output tok/s, same cases, same run: batch 1 " in out

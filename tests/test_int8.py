@@ -2,6 +2,11 @@
 int8 logits against float32, the cached int8 state, greedy outputs with caching on and off, and
 int8 and float32 engines sharing one store without ever reading each other's KV."""
 
+import json
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +17,13 @@ from test_model import CONFIGS
 
 from kvstrata.config import EngineConfig, ModelConfig
 from kvstrata.engine import LLMEngine
-from kvstrata.model.int8 import Int8Linear
+from kvstrata.machine import ISA_CAPS
+from kvstrata.model import int8_choice
+from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, available_kernels, weight_bits
+from kvstrata.model.int8_choice import KernelTrial
 from kvstrata.model.llama import LlamaModel
 from kvstrata.model.loader import load_model
-from kvstrata.model.quantize import calibration_ids, input_maxima, int8_cache_path, smooth
+from kvstrata.model.quantize import calibration_ids, input_maxima, smooth
 
 # SmolLM2, int8 against float32 on the first 256 tokens of the GPL text the accuracy bench reads
 # (measured: mean |diff| 0.08 of the float logits' std, top-1 equal at 92%, KL(fp32 || int8) 0.033
@@ -38,17 +46,105 @@ def smollm2_int8():
     return load_model(ModelConfig(dtype="float32", device="cpu", quantization="int8"))
 
 
-def test_int8_linear_is_within_rounding_error_of_float():
-    gen = torch.Generator().manual_seed(0)
+def small_layer(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w, bias, x): a projection with an outlier input channel and a zero row, as SmolLM2's have."""
+    gen = torch.Generator().manual_seed(seed)
     w, bias = torch.randn(96, 256, generator=gen), torch.randn(96, generator=gen)
-    x = torch.randn(5, 256, generator=gen)
+    x = torch.randn(7, 256, generator=gen) * torch.rand(7, 1, generator=gen) * 4
+    x[:, 5] *= 30
     x[3] = 0                                                         # a zero row has a zero scale
-    proj = Int8Linear.from_float(w, bias)
+    return w, bias, x
+
+
+def exact_int8(rows: Int8Rows, x: torch.Tensor) -> torch.Tensor:
+    """What an int8 kernel must compute, in float64: per-token int8 activations times the rows."""
+    q, scale = rows.weight.double(), rows.scale.double()
+    x_scale = x.double().abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127
+    return (torch.round(x.double() / x_scale) @ q.t()) * x_scale * scale + rows.bias.double()
+
+
+@pytest.mark.parametrize("kernel", available_kernels())
+def test_int8_kernel_computes_exact_int8_products(kernel):
+    """Within float rounding of `exact_int8` (an int16 pair sum that saturated would be far off),
+    and within int8 rounding of float."""
+    w, bias, x = small_layer()
+    rows = Int8Rows.from_float(w, bias, weight_bits())
+    proj = INT8_KERNELS[kernel](rows)
     y, ref = proj(x), torch.nn.functional.linear(x, w, bias)
-    assert y.shape == (5, 96) and y.dtype == torch.float32 and torch.isfinite(y).all()
+    assert y.shape == (7, 96) and y.dtype == torch.float32 and torch.isfinite(y).all()
     assert torch.equal(y[3], bias)
-    assert (y - ref).norm() / ref.norm() < 0.01             # 8-bit rounding on both sides: ~0.5%
+    assert (y.double() - exact_int8(rows, x)).norm() / ref.norm() < 1e-4
+    assert (y - ref).norm() / ref.norm() < 0.05              # the outlier channel takes most of each row's range
     assert proj.nbytes == 96 * 256 + 96 * 4
+
+
+@pytest.mark.parametrize("kernel", available_kernels())
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(kernel):
+    """Per-token quantization: the dynamic kernels' one scale per call is pinned, so no row's result
+    depends on the others (what keeps int8 greedy outputs equal with caching on and off)."""
+    _, _, x = small_layer()
+    proj = INT8_KERNELS[kernel](Int8Rows.from_float(*small_layer(1)[:2], weight_bits()))
+    together = proj(x)
+    assert torch.equal(torch.cat([proj(x[i:i + 1]) for i in range(len(x))]), together)
+    assert torch.equal(torch.cat([proj(x[:2]), proj(x[2:])]), together)
+
+
+# Run in a child whose CPU is capped (kvstrata.machine.isa_cap_environ): what it may use, and each
+# kernel it may use within rounding error of float32 on a small layer.
+CAPPED_CHECK = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from test_int8 import exact_int8, small_layer
+from kvstrata.machine import machine
+from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, available_kernels, weight_bits
+from kvstrata.model.loader import resolve_dtype
+w, bias, x = small_layer()
+ref = torch.nn.functional.linear(x, w, bias).double()
+rows = Int8Rows.from_float(w, bias, weight_bits())
+errors = {{k: float((INT8_KERNELS[k](rows)(x) - exact_int8(rows, x)).norm() / ref.norm()) for k in available_kernels()}}
+print(json.dumps({{"isa": machine().isa, "kernels": available_kernels(), "errors": errors, "bits": weight_bits(),
+                  "dtype": str(resolve_dtype("auto", torch.device("cpu")))}}))
+"""
+
+
+@pytest.mark.parametrize("cap", ["avx2", "avx512_vnni"])
+def test_int8_kernels_under_a_forced_isa(cap):
+    from kvstrata.machine import isa_cap_environ, machine
+    if not set(ISA_CAPS[cap]) <= set(machine().isa):
+        pytest.skip(f"this CPU has no {cap}")
+    script = CAPPED_CHECK.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, **isa_cap_environ(cap)},
+                          capture_output=True, text=True, timeout=120, check=True)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["isa"] == list(ISA_CAPS[cap])
+    assert seen["kernels"] and all(error < 1e-4 for error in seen["errors"].values()), seen
+    assert seen["dtype"] == "torch.float32"                          # neither cap has native bf16
+    if cap == "avx2":
+        assert "int_mm" not in seen["kernels"]                       # its int16 pair sums saturate there
+        assert seen["bits"] == 7
+    else:
+        assert seen["bits"] == 8
+
+
+def test_the_choice_is_the_fastest_accurate_kernel_and_warns_when_float_is_faster(monkeypatch, caplog):
+    # kernel: (ms at 1 row, ms at 32 rows, perplexity); each "projection" built is the kernel's name.
+    table = {"float32": (10.0, 40.0, 20.0), "int_mm": (5.0, 30.0, 20.2), "fbgemm": (2.0, 10.0, 25.0),
+             "onednn": (6.0, 20.0, 20.1)}
+    monkeypatch.setattr(int8_choice, "available_kernels", lambda: ["int_mm", "fbgemm", "onednn"])
+    monkeypatch.setattr(int8_choice, "INT8_KERNELS", {k: (lambda rows, k=k: k) for k in table})
+    monkeypatch.setattr(int8_choice, "_float_projection", lambda rows: "float32")
+    monkeypatch.setattr(int8_choice, "_time_pass", lambda projections, rows, n: table[projections[0]][n > 1])
+    choice = int8_choice.choose_kernel([None], lambda projections: table[projections[0]][2])
+    assert choice.kernel == "onednn"              # fbgemm is fastest but 25% worse: never chosen
+    assert [t.kernel for t in choice.trials] == list(table)
+    assert choice.speedups() == {1: 10.0 / 6.0, 32: 2.0}
+    assert int8_choice.Int8Choice.from_json(json.loads(json.dumps(choice.to_json()))) == choice
+    slow = int8_choice.Int8Choice("int_mm", "cpu", torch.__version__,
+                                  [KernelTrial("float32", {1: 10.0, 32: 40.0}, 20.0),
+                                   KernelTrial("int_mm", {1: 12.0, 32: 60.0}, 20.2)])
+    with caplog.at_level(logging.WARNING, logger="kvstrata.model.int8_choice"):
+        int8_choice._report(slow)
+    assert "float32 is faster here at 1/32 rows" in caplog.text and "serve without --quantization" in caplog.text
 
 
 @pytest.mark.parametrize("name", ["llama-bias", "qwen2", "mha-head-dim"])
@@ -60,7 +156,7 @@ def test_smoothing_leaves_the_float_model_unchanged(tmp_path, monkeypatch, name)
     before = logits_of(loaded, tokens)
     maxima, head_max = input_maxima(loaded.model, calibration_ids(None, loaded.arch, 64))
     assert all(m.min() > 0 for layer in maxima for m in layer.values()) and head_max.min() > 0
-    smooth(loaded.model, maxima, head_max)
+    smooth(loaded.model, maxima, head_max, {name: 0.6 for name in ("qkv", "o", "gate_up", "down", "head")})
     torch.testing.assert_close(logits_of(loaded, tokens), before, atol=1e-4, rtol=1e-4)
 
 
@@ -80,15 +176,23 @@ def test_int8_state_is_cached_and_reloads_identically(tmp_path, monkeypatch):
     save_tiny_hf_model(tmp_path / "model", CONFIGS["llama"]())
     config = ModelConfig(model=str(tmp_path / "model"), device="cpu", quantization="int8")
     first = load_model(config)
-    path = int8_cache_path(tmp_path / "cache", first.fingerprint)
-    assert path.is_file()
-    mtime = path.stat().st_mtime_ns
+    models = tmp_path / "cache" / "models"
+    [path] = models.glob(f"int8-*-w{weight_bits()}.safetensors")
+    [choice] = models.glob(f"{path.stem}.kernel-*.json")              # the kernel measured for this CPU
+    assert json.loads(choice.read_text())["kernel"] == first.int8.kernel
+    mtimes = path.stat().st_mtime_ns, choice.stat().st_mtime_ns
     second = load_model(config)
-    assert path.stat().st_mtime_ns == mtime                          # read, not rewritten
-    assert second.fingerprint == first.fingerprint
+    assert (path.stat().st_mtime_ns, choice.stat().st_mtime_ns) == mtimes     # read, not rewritten
+    assert second.fingerprint == first.fingerprint and second.int8 == first.int8
     tokens = list(range(5, 30))
     assert torch.equal(logits_of(second, tokens), logits_of(first, tokens))
     assert first.model.layers[0].qkv is None                         # the float weights are gone
+    # Another kernel rounds differently: the same int8 rows, another fingerprint (no KV crosses).
+    other = next(k for k in available_kernels() if k != first.int8.kernel)
+    monkeypatch.setenv("KVSTRATA_INT8_KERNEL", other)
+    forced = load_model(config)
+    assert forced.int8.kernel == other and forced.fingerprint != first.fingerprint
+    assert path.stat().st_mtime_ns == mtimes[0]
 
 
 def test_int8_rejects_what_its_kernels_cannot_run(tmp_path):

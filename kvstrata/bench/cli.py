@@ -130,6 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvstrata.bench.client import RequestOptions
     from kvstrata.bench.loadgen import LoadOptions, compare
     from kvstrata.bench.metrics import parse_slo
+    from kvstrata.machine import machine
 
     targets = _targets(args)
     slo = parse_slo(args.slo)
@@ -144,6 +145,7 @@ def run_serve(args: argparse.Namespace) -> int:
         runs = asyncio.run(compare(targets, build, load, options, args.seed, args.repeats, args.patience,
                                    lambda: bar.update()))
     summary = report.summarize(runs, slo)
+    print(f"machine: {machine().describe()}")
     arrivals = "trace times" if first.name.startswith("trace:") else f"rate {args.request_rate}/s"
     print(f"workload {first.name} {json.dumps(first.params)}: {first.num_requests} requests x {args.repeats} "
           f"repeats, {arrivals}, max concurrency {args.max_concurrency}")
@@ -177,6 +179,9 @@ def _add_offline(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="write the figures here too")
     p.add_argument("--patience", type=float, default=0.0,
                    help="seconds each repeat may wait for other jobs to leave the cores (default: 0, no wait)")
+    p.add_argument("--versus-float32", action="store_true",
+                   help="then run the same cases on the same engine in float32 without quantization, and print "
+                        "the ratios (e.g. with --quantization int8)")
     add_engine_flags(p)
     p.set_defaults(run=run_offline)
 
@@ -185,19 +190,48 @@ def run_offline(args: argparse.Namespace) -> int:
     from kvstrata.bench import report
     from kvstrata.bench.cases import read_cases
     from kvstrata.bench.offline import make_cases, run_offline as run
-    from kvstrata.flags import engine_config
     from kvstrata.engine import LLMEngine
+    from kvstrata.flags import engine_config
+    from kvstrata.machine import machine
 
     if args.prompts:
         cases = read_cases(args.prompts)
     else:
         sizes = [int(n) for n in args.num_prompts.split(",")]
         cases = make_cases(sizes, args.input_len, args.output_len, args.repeats, args.seed)
-    engine = LLMEngine(engine_config(args))
-    figures = run(engine, cases, args.patience)
+    print(f"machine: {machine().describe()}", flush=True)
+    configs = [engine_config(args)]
+    if args.versus_float32:
+        model = dataclasses.replace(configs[0].model, quantization="none", dtype="float32")
+        configs.append(dataclasses.replace(configs[0], model=model))
+    results = []
+    for config in configs:                     # one engine at a time: each has the cores to itself
+        engine = LLMEngine(config)
+        if engine.loaded.int8 is not None:
+            print(engine.loaded.int8.summary(), flush=True)
+        results.append(run(engine, cases, args.patience))
+        engine.close()
+        del engine
+    for figures in results:
+        _print_offline(figures)
+    if len(results) == 2:
+        ours, base = results
+        print(f"{_weights_name(ours)} / {_weights_name(base)} output tok/s, same cases, same run: " + ", ".join(
+            f"{a['name']} {a['output_tok_s'] / b['output_tok_s']:.2f}x (medians "
+            f"{a['median_output_tok_s'] / b['median_output_tok_s']:.2f}x)" for a, b in zip(ours["cases"], base["cases"])))
+    if args.json:
+        report.write_json(Path(args.json), {**results[0], "machine": machine().as_dict(),
+                                            **({"float32": results[1]} if len(results) == 2 else {})})
+    return 0
+
+
+def _weights_name(figures: dict) -> str:
+    return figures["dtype"] if figures["quantization"] == "none" else f"{figures['dtype']} {figures['quantization']}"
+
+
+def _print_offline(figures: dict) -> None:
     bandwidth = figures["memory_read_gb_s"]
-    weights = figures["dtype"] if figures["quantization"] == "none" else f"{figures['dtype']} {figures['quantization']}"
-    print(f"kvstrata {weights}: {figures['weight_bytes'] / 1e6:.0f} MB of weights read per step; "
+    print(f"kvstrata {_weights_name(figures)}: {figures['weight_bytes'] / 1e6:.0f} MB of weights read per step; "
           f"measured memory read bandwidth {bandwidth:.1f} GB/s")
     print("(figures of the fastest repeat; median output tok/s beside it)")
     print(f"{'case':<10} {'prompts':>7} {'in/out':>9} {'elapsed s':>18} {'out tok/s':>9} {'(median)':>8} "
@@ -208,7 +242,3 @@ def run_offline(args: argparse.Namespace) -> int:
               f"{c['output_tok_s']:>9.1f} {c['median_output_tok_s']:>8.1f} {c['total_tok_s']:>11.1f} {c['steps']:>6} "
               f"{1000 * min(c['elapsed_s']) / c['steps']:>7.1f} {c['weight_gb_s']:>12.2f} "
               f"{c['weight_gb_s'] / bandwidth:>7.0%}")
-    if args.json:
-        report.write_json(Path(args.json), figures)
-    engine.close()
-    return 0

@@ -1,0 +1,198 @@
+"""Which int8 kernel a model runs on this CPU: measured once per CPU kind and model, then cached.
+
+The fastest int8 kernel differs by ISA far more than any tuning recovers: on a Zen 3 EPYC (AVX2,
+no VNNI) `_int_mm` ran SmolLM2 at 0.36x fp32's speed at batch 1, while FBGEMM's AVX2 kernels are
+faster than fp32 there; with VNNI the order changes again (figures per machine in BENCHMARKS.md).
+So at first load on a CPU kind, `choose_kernel` builds every available kernel of `kvstrata.model.int8`
+over the model's own int8 rows, and for each:
+1. times one pass over all projections and the head at 1 and 32 rows (a decode of one stream and of
+   a batch), fastest of `REPEATS`, beside the same pass in float32 (the dequantized rows packed as
+   the fp32 model packs them), all weights read from memory as in a real step;
+2. scores perplexity on the calibration text against that float32 reference, a guard against a
+   kernel that computes garbage here: one more than `MAX_PERPLEXITY_RATIO` above it is never
+   chosen. (Kernels that would saturate on this ISA are not candidates at all: `available_kernels`.
+   The guard cannot rank the rest: a 1e-4 change in any one projection moves an int8 model's
+   perplexity by up to 1% through rounding that flips downstream, bench/quant_accuracy.py measures
+   the chosen kernel's accuracy on 7,650 tokens.)
+It takes the kernel with the smallest mean time over the two row counts. The choice and every
+figure go to `<int8 state>.kernel-<hash of CPU kind and torch>.json`, so later starts read it
+back; a CPU where no int8 kernel beats float32 is warned about at every start, with the figures.
+`KVSTRATA_INT8_KERNEL=<name>` forces a kernel (tests, measurements), skipping the calibration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvstrata.machine import machine
+from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, available_kernels, weight_bits
+from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
+
+logger = logging.getLogger(__name__)
+
+TIMED_ROWS = (1, 32)
+REPEATS = 5
+MAX_PERPLEXITY_RATIO = 1.05
+CHOICE_VERSION = 1          # bump when the candidates or the rule change: cached choices are then remade
+FLOAT = "float32"
+
+
+@dataclass(frozen=True)
+class KernelTrial:
+    """One kernel measured on this CPU: ms per pass over every projection, by row count; perplexity."""
+
+    kernel: str
+    ms: dict[int, float]
+    perplexity: float
+
+
+@dataclass(frozen=True)
+class Int8Choice:
+    """The kernel chosen for a model on a CPU kind, with what it was chosen from."""
+
+    kernel: str
+    machine_kind: str
+    torch_version: str
+    trials: list[KernelTrial]            # float32 first, then every int8 kernel tried
+
+    @property
+    def kernel_id(self) -> str:
+        """The kernel and the bits it multiplies here: what the model fingerprint carries, since
+        two kernels round differently."""
+        return f"{self.kernel}-w{weight_bits()}a8"
+
+    def trial(self, kernel: str) -> KernelTrial:
+        return next(t for t in self.trials if t.kernel == kernel)
+
+    def speedups(self) -> dict[int, float]:
+        """float32 ms / chosen kernel ms, by row count (absent when the kernel was forced)."""
+        if not any(t.kernel == FLOAT for t in self.trials):
+            return {}
+        chosen, base = self.trial(self.kernel), self.trial(FLOAT)
+        return {rows: base.ms[rows] / chosen.ms[rows] for rows in chosen.ms}
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{rows} row{'s' * (rows > 1)} {s:.2f}x" for rows, s in self.speedups().items())
+        return f"int8 kernel {self.kernel_id} ({parts or 'forced'} against float32)"
+
+    def to_json(self) -> dict:
+        return {"version": CHOICE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Int8Choice:
+        trials = [KernelTrial(t["kernel"], {int(r): ms for r, ms in t["ms"].items()}, t["perplexity"])
+                  for t in data["trials"]]
+        return cls(data["kernel"], data["machine_kind"], data["torch_version"], trials)
+
+
+def choice_path(state_path: Path) -> Path:
+    key = hashlib.sha256(f"{machine().kind}|{torch.__version__}|{CHOICE_VERSION}".encode()).hexdigest()[:16]
+    return state_path.with_name(f"{state_path.stem}.kernel-{key}.json")
+
+
+def cached_or_chosen(rows: list[Int8Rows], perplexity_of: Callable[[list[Projection]], float],
+                     state_path: Path) -> Int8Choice:
+    """The forced kernel, else the choice cached for this CPU kind, else a new one (then cached)."""
+    forced = os.environ.get("KVSTRATA_INT8_KERNEL")
+    if forced:
+        if forced not in available_kernels():
+            raise ValueError(f"KVSTRATA_INT8_KERNEL={forced!r}: this torch has {', '.join(available_kernels())}")
+        return Int8Choice(forced, machine().kind, torch.__version__, [])
+    path = choice_path(state_path)
+    if path.is_file():
+        choice = Int8Choice.from_json(json.loads(path.read_text()))
+    else:
+        choice = choose_kernel(rows, perplexity_of)
+        _write_atomically(path, json.dumps(choice.to_json(), indent=2) + "\n")
+    _report(choice)
+    return choice
+
+
+def choose_kernel(rows: list[Int8Rows], perplexity_of: Callable[[list[Projection]], float]) -> Int8Choice:
+    """Measure float32 and every available int8 kernel on `rows` (all projections, in call order);
+    `perplexity_of(projections)` runs the model with them installed."""
+    start = time.perf_counter()
+    builders: dict[str, Callable[[Int8Rows], Projection]] = {FLOAT: _float_projection}
+    builders.update({name: INT8_KERNELS[name] for name in available_kernels()})
+    trials = []
+    for name, build in builders.items():
+        projections = [build(r) for r in rows]
+        trials.append(KernelTrial(name, {n: _time_pass(projections, rows, n) for n in TIMED_ROWS},
+                                  perplexity_of(projections)))
+        del projections
+    base = trials[0]
+    accurate = [t for t in trials[1:] if t.perplexity <= base.perplexity * MAX_PERPLEXITY_RATIO]
+    if not accurate:
+        raise RuntimeError("no int8 kernel keeps perplexity within "
+                           f"{MAX_PERPLEXITY_RATIO - 1:.0%} of float32 on this CPU: " + _table(trials))
+    best = min(accurate, key=lambda t: sum(t.ms.values()) / len(t.ms))
+    choice = Int8Choice(best.kernel, machine().kind, torch.__version__, trials)
+    logger.info("int8 kernels measured in %.1fs on %s: %s", time.perf_counter() - start, machine().kind,
+                _table(trials))
+    return choice
+
+
+def _report(choice: Int8Choice) -> None:
+    speedups = choice.speedups()
+    slower = [rows for rows, s in speedups.items() if s < 1.0]
+    if slower:
+        logger.warning("--quantization int8 on this CPU (%s): %s; float32 is faster here at %s rows%s "
+                       "(measured: %s)", machine().kind, choice.summary(), "/".join(map(str, slower)),
+                       "; serve without --quantization for speed" if len(slower) == len(speedups) else "",
+                       _table(choice.trials))
+    else:
+        logger.info("%s", choice.summary())
+
+
+def _table(trials: list[KernelTrial]) -> str:
+    return "; ".join(f"{t.kernel} " + " / ".join(f"{ms:.1f}" for ms in t.ms.values())
+                     + f" ms at {'/'.join(map(str, t.ms))} rows, perplexity {t.perplexity:.3f}" for t in trials)
+
+
+def _float_projection(rows: Int8Rows) -> Projection:
+    """The float32 reference: the int8 rows dequantized, packed as the fp32 model's are."""
+    dense = DenseLinear(rows.dequantized(), rows.bias)
+    return PackedLinear.from_dense(dense) if can_pack(dense.weight) else dense
+
+
+def _time_pass(projections: list[Projection], rows: list[Int8Rows], n: int) -> float:
+    """ms of the fastest of REPEATS passes over every projection at n rows."""
+    gen = torch.Generator().manual_seed(n)
+    inputs = [torch.randn(n, r.weight.shape[1], generator=gen) for r in rows]
+    best = math.inf
+    with torch.inference_mode():
+        for proj, x in zip(projections, inputs):        # warm every kernel's code path once
+            proj(x)
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            for proj, x in zip(projections, inputs):
+                proj(x)
+            best = min(best, time.perf_counter() - start)
+    return round(best * 1000, 3)
+
+
+def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
+    """exp(mean NLL) of each next token under the logits (T, vocab) of the positions before it."""
+    nll = F.cross_entropy(logits[:-1].float(), torch.tensor(token_ids[1:]), reduction="mean")
+    return round(math.exp(nll.item()), 4)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
