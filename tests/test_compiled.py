@@ -42,7 +42,10 @@ def test_compiled_layers_match_eager(tmp_path, monkeypatch, quantization):
     torch._dynamo.utils.counters.clear()
     compiled = load_model(ModelConfig(**config, compile=True))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert 2 <= graphs <= 2 * len(WARM_UP_TOKENS)                    # a bounded set, made at load
+    # A bounded set, made at load; an int8 kernel dynamo cannot trace (FBGEMM's, where the CPU has
+    # no VNNI for `_int_mm`) splits the two layer steps around their four projections.
+    pieces = 2 if compiled.int8 is None or compiled.int8.kernel == "int_mm" else 6
+    assert 2 <= graphs <= pieces * len(WARM_UP_TOKENS)
     for ours, ref in zip(steps_logits(compiled, 1), steps_logits(eager, 1)):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs   # nothing compiled while serving

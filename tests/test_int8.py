@@ -134,7 +134,7 @@ def test_the_choice_is_the_fastest_accurate_kernel_and_warns_when_float_is_faste
     monkeypatch.setattr(int8_choice, "INT8_KERNELS", {k: (lambda rows, k=k: k) for k in table})
     monkeypatch.setattr(int8_choice, "_float_projection", lambda rows: "float32")
     monkeypatch.setattr(int8_choice, "_time_pass", lambda projections, rows, n: table[projections[0]][n > 1])
-    choice = int8_choice.choose_kernel([None], lambda projections: table[projections[0]][2])
+    choice = int8_choice.choose_kernel([None], lambda projections: table[projections[0]][2], list(table)[1:])
     assert choice.kernel == "onednn"              # fbgemm is fastest but 25% worse: never chosen
     assert [t.kernel for t in choice.trials] == list(table)
     assert choice.speedups() == {1: 10.0 / 6.0, 32: 2.0}

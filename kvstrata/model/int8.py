@@ -17,7 +17,7 @@ The kernels, all with the same int8 rows:
   Without VNNI, the u8 x s8 products are summed in pairs in int16 (`vpmaddubsw`) and saturate; there
   the weights keep 7 bits (|w| <= 63: a pair stays within 2 * 255 * 63 < 32768) rather than the
   activations (torch.ao's `reduce_range`): on SmolLM2 under an AVX2 cap, 7-bit activations cost 4.1%
-  of perplexity, 7-bit weights 1.6% (with their own smoothing, `kvstrata.model.quantize`).
+  of perplexity, 7-bit weights 1.6-1.9% (with their own smoothing, `kvstrata.model.quantize`).
 
 The weights of every kernel are symmetric (zero points 0), so only the two scales dequantize.
 """

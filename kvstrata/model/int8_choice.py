@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 TIMED_ROWS = (1, 32)
 REPEATS = 5
 MAX_PERPLEXITY_RATIO = 1.05
+TRACEABLE = "int_mm"
 CHOICE_VERSION = 1          # bump when the candidates or the rule change: cached choices are then remade
 FLOAT = "float32"
 
@@ -97,35 +98,49 @@ class Int8Choice:
         return cls(data["kernel"], data["machine_kind"], data["torch_version"], trials)
 
 
-def choice_path(state_path: Path) -> Path:
-    key = hashlib.sha256(f"{machine().kind}|{torch.__version__}|{CHOICE_VERSION}".encode()).hexdigest()[:16]
-    return state_path.with_name(f"{state_path.stem}.kernel-{key}.json")
+def choice_path(state_path: Path, kernels: list[str]) -> Path:
+    key = f"{machine().kind}|{torch.__version__}|{CHOICE_VERSION}|{'+'.join(kernels)}"
+    return state_path.with_name(f"{state_path.stem}.kernel-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
+
+
+def candidates(traceable: bool) -> list[str]:
+    """The kernels to choose from: `available_kernels`, or under `--compile` those dynamo traces
+    (`_int_mm`; FBGEMM's and oneDNN's packed weights are opaque objects that break the graphs
+    around every projection), when this CPU has one."""
+    kernels = available_kernels()
+    if traceable and TRACEABLE in kernels:
+        return [TRACEABLE]
+    if traceable:
+        logger.warning("--compile with --quantization int8: %s needs VNNI, which this CPU lacks; the int8 "
+                       "projections break the compiled graphs around them", TRACEABLE)
+    return kernels
 
 
 def cached_or_chosen(rows: list[Int8Rows], perplexity_of: Callable[[list[Projection]], float],
-                     state_path: Path) -> Int8Choice:
+                     state_path: Path, kernels: list[str]) -> Int8Choice:
     """The forced kernel, else the choice cached for this CPU kind, else a new one (then cached)."""
     forced = os.environ.get("KVSTRATA_INT8_KERNEL")
     if forced:
         if forced not in available_kernels():
-            raise ValueError(f"KVSTRATA_INT8_KERNEL={forced!r}: this torch has {', '.join(available_kernels())}")
+            raise ValueError(f"KVSTRATA_INT8_KERNEL={forced!r}: this CPU and torch have {', '.join(available_kernels())}")
         return Int8Choice(forced, machine().kind, torch.__version__, [])
-    path = choice_path(state_path)
+    path = choice_path(state_path, kernels)
     if path.is_file():
         choice = Int8Choice.from_json(json.loads(path.read_text()))
     else:
-        choice = choose_kernel(rows, perplexity_of)
+        choice = choose_kernel(rows, perplexity_of, kernels)
         _write_atomically(path, json.dumps(choice.to_json(), indent=2) + "\n")
     _report(choice)
     return choice
 
 
-def choose_kernel(rows: list[Int8Rows], perplexity_of: Callable[[list[Projection]], float]) -> Int8Choice:
-    """Measure float32 and every available int8 kernel on `rows` (all projections, in call order);
+def choose_kernel(rows: list[Int8Rows], perplexity_of: Callable[[list[Projection]], float],
+                  kernels: list[str]) -> Int8Choice:
+    """Measure float32 and each of `kernels` on `rows` (all projections, in call order);
     `perplexity_of(projections)` runs the model with them installed."""
     start = time.perf_counter()
     builders: dict[str, Callable[[Int8Rows], Projection]] = {FLOAT: _float_projection}
-    builders.update({name: INT8_KERNELS[name] for name in available_kernels()})
+    builders.update({name: INT8_KERNELS[name] for name in kernels})
     trials = []
     for name, build in builders.items():
         projections = [build(r) for r in rows]

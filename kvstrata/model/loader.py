@@ -154,7 +154,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a folder "
                          "(config.json + *.safetensors)")
     loaded = _load_folder(folder, name, weight_ids, dtype, device, config.quantization,
-                          exact_sums=config.batch_invariant and dtype.itemsize < 4)
+                          exact_sums=config.batch_invariant and dtype.itemsize < 4, traceable=config.compile)
     if config.compile:
         compile_layers(loaded.model)
     elif config.quantization == "none":
@@ -165,9 +165,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
 
 def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dtype: torch.dtype,
-                 device: torch.device, quantization: str, exact_sums: bool = False) -> LoadedModel:
+                 device: torch.device, quantization: str, exact_sums: bool = False,
+                 traceable: bool = False) -> LoadedModel:
     """Build the model from an HF-style folder; an int8 model is quantized once and cached (see
-    kvstrata.model.quantize); `exact_sums`: `--batch-invariant` on a 16-bit model (`sum_exactly`)."""
+    kvstrata.model.quantize); `exact_sums`: `--batch-invariant` on a 16-bit model (`sum_exactly`);
+    `traceable`: `--compile` is coming, so int8 takes a kernel dynamo can trace where there is one."""
     config = json.loads((folder / "config.json").read_text())
     arch = arch_from_hf_config(config)
     tensors: dict[str, torch.Tensor] = {}
@@ -198,7 +200,8 @@ def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dty
     int8 = None
     if quantization == "int8":
         # The int8 rows are the same on every CPU; the kernel, and so the rounding of activations, is not.
-        int8 = load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_dir(), fingerprint, weight_bits()))
+        int8 = load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_dir(), fingerprint, weight_bits()),
+                                     traceable)
         identity["int8_kernel"] = int8.kernel_id
         fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     eos = _eos_token_ids(folder, config, tokenizer)

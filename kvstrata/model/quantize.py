@@ -52,7 +52,7 @@ import torch
 
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, weight_bits
-from kvstrata.model.int8_choice import Int8Choice, cached_or_chosen, perplexity
+from kvstrata.model.int8_choice import Int8Choice, cached_or_chosen, candidates, perplexity
 from kvstrata.model.linear import DenseLinear, Projection
 from kvstrata.model.llama import LlamaModel
 
@@ -60,14 +60,14 @@ logger = logging.getLogger(__name__)
 
 # By weight bits (`kvstrata.model.int8.weight_bits`), then projection. The down projection's input
 # (silu(gate) * up) has the worst outliers: with 8-bit weights it smooths harder, with 7-bit ones
-# less (perplexity on bench/data/gpl-3.0.txt, 7,650 tokens, fp32 19.03: 8-bit down alpha 0.5 / 0.6 /
-# 0.65 / 0.7 +1.62-2.24% / +1.29-1.44% / +1.26-1.57% / +2.13-2.22% over the kernels; 7-bit 0.5 / 0.4
-# +2.58% / +1.57%; the others at 0.5).
+# less. Perplexity on bench/data/gpl-3.0.txt (7,650 tokens; fp32 19.03), the spread over the
+# kernels, by down's alpha: 8-bit 0.5 +1.62-2.24%, 0.6 +1.29-1.44%, 0.65 +1.26-1.57%, 0.7
+# +2.13-2.22%; 7-bit (under an AVX2 cap) 0.3 +2.88%, 0.4 +2.20%, 0.45 +1.59-1.90%, 0.5 +2.58%.
 SMOOTHING_ALPHA = {
     8: {"qkv": 0.5, "o": 0.5, "gate_up": 0.5, "down": 0.6, "head": 0.5},
-    7: {"qkv": 0.5, "o": 0.5, "gate_up": 0.5, "down": 0.4, "head": 0.5},
+    7: {"qkv": 0.5, "o": 0.5, "gate_up": 0.5, "down": 0.45, "head": 0.5},
 }
-INT8_FORMAT_VERSION = 2        # bump when the calibration text, alpha or the layout below changes
+INT8_FORMAT_VERSION = 3        # bump when the calibration text, alpha or the layout below changes
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 # A fixed, varied text (prose, a list, code, numbers, a chat turn), written for this purpose.
@@ -216,10 +216,11 @@ def int8_cache_path(cache_root: Path, fingerprint: str, bits: int) -> Path:
     return cache_root / "models" / f"int8-{fingerprint}-v{INT8_FORMAT_VERSION}-w{bits}.safetensors"
 
 
-def load_or_quantize_int8(model: LlamaModel, tokenizer, path: Path) -> Int8Choice:
+def load_or_quantize_int8(model: LlamaModel, tokenizer, path: Path, traceable: bool = False) -> Int8Choice:
     """Make `model` (just loaded in float32) int8: from the state cached at `path`, or by
     `quantize_int8` and then writing that state to `path` for the next start; through the kernel
-    chosen for this CPU, which is returned. Its attention then sums in float64 (see "Exact
+    chosen for this CPU (one dynamo traces, if `traceable` and the CPU has one), which is returned.
+    Its attention then sums in float64 (see "Exact
     attention" in kvstrata.model.attention): int8 activations would turn the float32 attention's
     path-dependent last bits into different greedy tokens."""
     model.attn.compute_dtype = torch.float64
@@ -234,7 +235,7 @@ def load_or_quantize_int8(model: LlamaModel, tokenizer, path: Path) -> Int8Choic
         install(model, weights, projections)
         return perplexity(model.prefill_alone(token_ids), token_ids)
 
-    choice = cached_or_chosen(weights.in_call_order(), perplexity_with, path)
+    choice = cached_or_chosen(weights.in_call_order(), perplexity_with, path, candidates(traceable))
     install(model, weights, [INT8_KERNELS[choice.kernel](rows) for rows in weights.in_call_order()])
     return choice
 
