@@ -5,6 +5,7 @@ Fast tests use hand-made chunks and small synthetic traces; the end-to-end valid
 engine is marked slow.
 """
 
+import dataclasses
 import json
 import math
 from concurrent.futures import Future
@@ -16,6 +17,7 @@ import torch
 
 from kvstrata.sim.cost_model import KERNEL_TILE, BatchShape, CostModel, Link, causal_pairs
 from kvstrata.hashing import BlockHasher
+from kvstrata.machine import machine as current_machine
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.prefix_groups import group_cost_tokens, group_decodes
 from kvstrata.runner import ModelRunner
@@ -171,9 +173,31 @@ def test_sessions_slice_config_has_every_tier():
 
 
 # ---- what a profile was fitted on ---------------------------------------------------------------
-def _profile(fitted_on=()) -> CostModel:
+def _profile(fitted_on=(), machine: dict | None = None) -> CostModel:
+    """A calibrated-looking profile, of this machine unless `machine` names another."""
     return CostModel(source="test", kv_bytes_per_token=1, host_link=Link(0.0, 1e12), store_link=Link(0.0, 1e12),
-                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), fitted_on=tuple(fitted_on))
+                     compute=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), fitted_on=tuple(fitted_on),
+                     machine=machine or {**current_machine().as_dict(), "dtype": "float32"})
+
+
+def test_a_profile_of_another_cpu_is_named_by_simulate_and_refused_by_validate(tmp_path, capsys):
+    from kvstrata.cli import main
+
+    path = _trace(tmp_path / "t.jsonl")
+    here = current_machine()
+    elsewhere = {**here.as_dict(), "kind": "Some Xeon | 2 cores | avx2+fma+avx512f", "dtype": "bfloat16"}
+    assert _profile().other_machine() is None
+    assert "calibrated on Some Xeon | 2 cores | avx2+fma+avx512f in bfloat16" in _profile(machine=elsewhere).other_machine()
+    unnamed = dataclasses.replace(_profile(), machine=None)
+    assert "does not say which CPU" in unnamed.other_machine()
+    profile = tmp_path / "p.json"
+    _profile(machine=elsewhere).save(profile)
+    assert CostModel.load(profile).machine == elsewhere
+    assert main(["simulate", "--trace", str(path), "--profile", str(profile), "--device-cache-tokens", "4096",
+                 "--output-json", str(tmp_path / "out.json")]) == 0
+    assert "note: this profile was calibrated on Some Xeon" in capsys.readouterr().out
+    code = main(["simulate", "--validate", "--trace", str(path), "--profile", str(profile), "--max-requests", "10"])
+    assert code == 2 and "calibrate on this machine first" in capsys.readouterr().err
 
 
 def _trace(path: Path, n: int = 30) -> Path:

@@ -25,10 +25,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import logging
-import os
-import platform
 import itertools
+import logging
 import statistics
 import tempfile
 import time
@@ -41,6 +39,7 @@ import numpy as np
 
 from kvstrata.config import EngineConfig
 from kvstrata.kvcache.storage import DiskStore
+from kvstrata.machine import machine as current_machine
 from kvstrata.sim.cost_model import BatchShape, CostModel, Link, fit, relative_errors
 from kvstrata.request import SamplingParams
 from kvstrata.sim.validation import (BLOCK_SIZE, CLOCKS, MAX_CHUNK, SLICES, ShapeRecorder, loadavg, replay_on_engine,
@@ -198,16 +197,6 @@ def _store_link(record: bytes, busy: Callable[[], None], repeat: int = 5) -> Lin
         return _link(one, many, len(record))
 
 
-def machine_name() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
-
-
 @dataclass
 class Calibration:
     """A fitted profile and the measured steps it was fitted to (kept in the profile file, for refits)."""
@@ -258,7 +247,8 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
                    store_link=store_link, record_link=record_link, decode_link=decode_link,
                    decode_in_place=recorder.runner.decodes_in_place,
-                   source=(f"calibrated on {machine or machine_name()}, {datetime.date.today().isoformat()}, model "
+                   machine={**current_machine().as_dict(), "dtype": str(engine.loaded.dtype).removeprefix("torch.")},
+                   source=(f"calibrated on {machine or current_machine().describe()}, {datetime.date.today().isoformat()}, model "
                            f"{engine.loaded.name} ({engine.loaded.dtype}, {threads or 'default'} threads), "
                            f"{len(shapes)} grid steps x {repeat} runs{' + trace slices ' + ','.join(slices) if slices else ''}"
                            f" timed by {CLOCK_NAMES[clock]}; store link: a disk store in {tempfile.gettempdir()}"))

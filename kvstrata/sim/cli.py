@@ -122,6 +122,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     trace = read_mooncake(args.trace, args.max_requests, args.skip or 0, args.time_scale or 1.0, args.max_input_tokens,
                           args.max_output_tokens)
     cost = cost_model(args)
+    elsewhere = cost.other_machine()
+    if elsewhere:
+        # Capacity planning for the machine a profile came from is a fine use: say so, do not refuse.
+        print(f"note: {elsewhere}; the figures below are for that machine (`kvstrata calibrate` fits one for this)")
     base = sim_config(args, cost)
     if args.sweep is None:
         result = simulate(trace, base, cost)
@@ -154,6 +158,11 @@ def run_validation(args: argparse.Namespace) -> int:
     from kvstrata.sim.validation import SLICES, validate
 
     cost = CostModel.load(args.profile or DEFAULT_PROFILE)
+    elsewhere = cost.other_machine()
+    if elsewhere:
+        raise ValueError(f"{elsewhere}. Validation times the real engine here against the profile: calibrate on "
+                         f"this machine first (`kvstrata calibrate --output my-profile.json`, ~10 min) and pass "
+                         f"--profile my-profile.json")
     chosen = SLICES[args.slice]
     overrides = {"skip": args.skip, "requests": args.max_requests, "max_input_tokens": args.max_input_tokens,
                  "max_output_tokens": args.max_output_tokens}

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvstrata.machine import machine as current_machine
 from kvstrata.model.prefix_groups import group_cost_tokens, group_decodes
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,7 @@ class CostModel:
                                                  # 0.09-0.10 ms a block against 0.05-0.06 to encode
     fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
     decode_in_place: bool = False                # the engine fitted on read blocks in place (decodes, prefill chunks)
+    machine: dict | None = None                  # a calibrated profile's CPU (kvstrata.machine) and engine dtype
 
     def __post_init__(self) -> None:
         if len(self.compute) != len(FEATURES) or len(self.memory) != len(FEATURES):
@@ -286,7 +288,21 @@ class CostModel:
                    record_link=Link(**data["record_link"]) if data.get("record_link") else None,
                    decode_link=Link(**data["decode_link"]) if data.get("decode_link") else None,
                    fitted_on=tuple(data.get("fitted_on", ())),
-                   decode_in_place=bool(data.get("decode_in_place", False)))
+                   decode_in_place=bool(data.get("decode_in_place", False)), machine=data.get("machine"))
+
+    def other_machine(self) -> str | None:
+        """Why this calibrated profile does not time steps on this machine, or None where it does
+        (roofline profiles describe hardware by name and are never checked)."""
+        if self.source.startswith("roofline"):
+            return None
+        here = current_machine()
+        if self.machine is None:
+            return (f"this profile does not say which CPU it was calibrated on ({self.source}); this machine is "
+                    f"{here.kind}")
+        if self.machine.get("kind") != here.kind:
+            return (f"this profile was calibrated on {self.machine.get('kind')} in {self.machine.get('dtype')}; "
+                    f"this machine is {here.kind}: its step times do not apply here")
+        return None
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
