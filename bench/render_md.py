@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 
 NOTES_BEGIN, NOTES_END = "<!-- notes:begin -->", "<!-- notes:end -->"
+# Sections measured on other machine kinds (or by other runs), written by hand and carried over too.
+MACHINES_BEGIN, MACHINES_END = "<!-- machines:begin -->", "<!-- machines:end -->"
 OFFLINE = (("kvstrata-float32", "kvstrata", "fp32 (torch)"), ("kvstrata-bfloat16", "kvstrata", "bf16 (torch)"),
            ("kvstrata-int8", "kvstrata", "int8 weights, per-token int8 activations (torch)"),
            ("kvstrata-int8-compile", "kvstrata", "int8, `--compile` (torch.compile around attention)"),
@@ -210,12 +212,11 @@ def render(results: Path, current: Path) -> str:
     run = _load(results / "run.json") or {}
     offline = {p.stem.removeprefix("offline-"): json.loads(p.read_text()) for p in sorted(results.glob("offline-*.json"))
                if not p.stem.startswith("offline-prompts")}
-    notes = ""
-    if current.exists() and NOTES_BEGIN in current.read_text():
-        text = current.read_text()
-        notes = text[text.index(NOTES_BEGIN) + len(NOTES_BEGIN):text.index(NOTES_END)].strip("\n")
-    lines = ["# Benchmarks", "",
-             f"Measured by `make bench` (`bench/run_all.py`) in one run started {run.get('started', '?')}; "
+    text = current.read_text() if current.exists() else ""
+    notes, machines = (text[text.index(begin) + len(begin):text.index(end)].strip("\n") if begin in text else ""
+                       for begin, end in ((NOTES_BEGIN, NOTES_END), (MACHINES_BEGIN, MACHINES_END)))
+    m = run.get("machine", {})
+    lines = [f"Measured by `make bench` (`bench/run_all.py`) in one run started {run.get('started', '?')}; "
              f"raw results in `bench/results/{results.name}/` (JSON, PNG of latency CDFs, server logs; not "
              "committed). Regenerate everything with `make bench`, or these tables from saved results with "
              f"`.venv/bin/python bench/run_all.py --render bench/results/{results.name}`.", ""]
@@ -247,5 +248,11 @@ def render(results: Path, current: Path) -> str:
         for name, data in served:
             if data:
                 lines += serve_section(name, data) + [""]
-    lines += ["## Where we lose, and why", "", NOTES_BEGIN, notes or "(analysis to be written)", NOTES_END, ""]
-    return "\n".join(lines)
+    lines += ["## Where we lose, and why", "", NOTES_BEGIN, notes or "(analysis to be written)", NOTES_END]
+    head = ["# Benchmarks", "",
+            "One section per machine kind, each with its date: the fastest path differs by CPU (AVX2, AVX-512, "
+            "VNNI, bf16), so no ratio here mixes figures from two machines. `kvstrata bench` prints the machine "
+            "it ran on (`machine: ...`) and records it in its JSON.", "",
+            f"## {m.get('kind', 'this machine')}: `make bench`, {run.get('started', '?')[:10]}", ""]
+    body = [f"#{line}" if line.startswith("#") else line for line in lines]     # one level under the machine
+    return "\n".join([*head, *body, "", MACHINES_BEGIN, machines, MACHINES_END, ""])

@@ -93,15 +93,10 @@ def run(command: list[str], log: Path, env: dict[str, str] | None = None, timeou
 
 
 def machine_facts() -> dict:
-    """`kvstrata.bench.report.machine()` plus what the tables explain figures with: ISA, memory, kernel."""
-    from kvstrata.bench.report import machine
+    """`kvstrata.machine` (CPU, cores, ISA, torch) plus the kernel the tables explain figures with."""
+    from kvstrata.machine import machine
 
-    cpuinfo = Path("/proc/cpuinfo").read_text()
-    flags = next(line for line in cpuinfo.splitlines() if line.startswith("flags")).split()
-    memory = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
-    return {**machine(), "memory_gib": round(int(memory.split()[1]) / 1024**2, 1),
-            "isa": [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile") if f in flags],
-            "kernel": os.uname().release}
+    return {**machine().as_dict(), "kernel": os.uname().release}
 
 
 def probe(out: Path, when: str, sizes: Sizes, dtype: str) -> None:

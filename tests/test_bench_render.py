@@ -38,3 +38,24 @@ def test_prefix_decode_section_per_dtype(tmp_path):
     assert "1024 shared + 16 own tokens against 1040 own tokens" in lines[0]
     assert "| float32 | 3.00 / 3.20 | 4.00 / 4.00 | 0.78 (0.75–0.80) | 0.78 | 2% |" in lines
     assert render_md.prefix_decode_section(tmp_path / "none") == []
+
+
+def test_render_puts_the_run_under_its_machine_and_keeps_other_machines_sections(tmp_path):
+    """One section per machine kind: a regenerated run sits under its own machine's heading, and
+    the hand-written sections of other machines (between the machines markers) survive it."""
+    results = tmp_path / "20261202-000000"
+    results.mkdir()
+    machine = {"cpu": "AMD EPYC", "cores": 2, "isa": ["avx2", "fma"], "memory_gib": 23.5, "kernel": "6.18",
+               "python": "3.11.7", "kind": "AMD EPYC | 2 cores | avx2+fma"}
+    (results / "run.json").write_text(json.dumps(
+        {"started": "2026-12-02 00:00:00 UTC", "machine": machine, "load_before": [0.1, 0.1, 0.1],
+         "load_after": [0.2, 0.2, 0.2], "minutes": 1.0, "threads": 2, "kvstrata_serve": ["--threads", "2"],
+         "vllm_serve": ["--dtype", "float32"], "versions": {"torch": "2.13.0+cpu"}}))
+    current = tmp_path / "BENCHMARKS.md"
+    current.write_text("# Benchmarks\n\n<!-- notes:begin -->\nold notes\n<!-- notes:end -->\n\n"
+                       "<!-- machines:begin -->\n## Some Xeon: int8, 2026-11-29\n\nkept\n<!-- machines:end -->\n")
+    text = render_md.render(results, current)
+    assert "\n## AMD EPYC | 2 cores | avx2+fma: `make bench`, 2026-12-02\n" in text
+    assert "\n### Test configuration\n" in text and "\n## Test configuration\n" not in text
+    assert "old notes" in text and "\n## Some Xeon: int8, 2026-11-29\n\nkept\n" in text
+    assert text.index("make bench`, 2026-12-02") < text.index("## Some Xeon")
