@@ -5,11 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
+from kvstrata.machine import machine
 from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
 from kvstrata.model.loader import LoadedModel
+
+
+def slow_without_native_bf16(test):
+    """For a test that runs SmolLM2 in bf16: where the CPU has no AVX512-BF16 / AMX, oneDNN emulates
+    bf16 several times slower than fp32, so there the test runs with `-m slow` (`.ci/run` runs both)."""
+    return test if machine().native_bf16 else pytest.mark.slow(test)
 
 
 @dataclass

@@ -6,6 +6,7 @@ import random
 import threading
 
 import pytest
+from model_helpers import slow_without_native_bf16
 
 from kvstrata.engine import AsyncLLMEngine
 from kvstrata.request import SamplingParams
@@ -191,6 +192,7 @@ def test_async_engine_builds_its_engine_on_its_own_thread(make_engine):
         AsyncLLMEngine(broken).start()
 
 
+@slow_without_native_bf16
 def test_batch_invariant_bf16_outputs_equal_with_caching_on_and_off():
     """`--batch-invariant` gives a bfloat16 model float32's promise: greedy outputs with caching on and
     batching equal one request at a time with caching off (without it, 22-23 of these 25 measured
@@ -216,6 +218,7 @@ def test_batch_invariant_bf16_outputs_equal_with_caching_on_and_off():
     assert sum(o.num_cached_tokens for o in on) > 0                 # the cache was really used
 
 
+@slow_without_native_bf16
 @pytest.mark.parametrize("path", ["in-place", "gathered"])
 def test_batch_invariant_bf16_logits_are_the_same_bits_alone_batched_and_chunked(path):
     """Below the greedy tokens: every logit of `--batch-invariant` bf16 is bit-identical whether a

@@ -18,6 +18,7 @@ from model_helpers import Seq, new_cache, run_step, save_tiny_hf_model
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from kvstrata.config import ModelConfig
+from kvstrata.machine import machine
 from kvstrata.model import gguf_convert
 from kvstrata.model.arch import arch_from_hf_config
 from kvstrata.model.loader import (default_model_path, file_sha256, load_model, resolve_device,
@@ -215,7 +216,7 @@ def test_resolve_device_and_dtype():
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if machine().native_bf16 else torch.float32)
     with pytest.raises(ValueError):
         resolve_dtype("float16", cpu)
 

@@ -19,7 +19,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from kvstrata.request import RequestStatus
 
-EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "2000"))
+EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "1000"))
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
 HARD_STATES = ("preempted_by_scheduler", "resumed", "prefix_hit", "chunked_prefill", "abort_running")
 REACHED: Counter = Counter()       # what the runs of this module reached, by state

@@ -23,7 +23,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from kvstrata.faults import FaultInjector
 
-EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "1000"))
+EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "500"))
 STEPS = 40
 # More distinct prefixes than the device holds, so blocks cycle through host and store.
 PREFIXES = [[16 * k + j for j in range(12)] for k in range(5)] + [list(range(1, 9)) + [7, 7, 7, 7]]
