@@ -24,7 +24,7 @@
 Measured on SmolLM2-135M-Instruct (perplexity on bench/data/gpl-3.0.txt, first 2,048 tokens):
 fp32 21.26, int8 without smoothing 22.31 (+5.0%), with it (alpha 0.5 everywhere) 21.60 (+1.6%).
 `bench/quant_accuracy.py` reports the figures over the whole text and greedy agreement; an int8
-model's perplexity moves by up to 1% with any 1e-4 change to one projection (rounding flips
+model's perplexity moves by 1-2% with any 1e-4 change to one projection (rounding flips
 downstream), so alphas were chosen on the spread over the kernels, not on one run.
 
 Doing all this takes 6.5 s for SmolLM2 on the 2-core machine (the calibration forward and
