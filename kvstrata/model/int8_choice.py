@@ -150,8 +150,8 @@ def choose_kernel(rows: list[Int8Rows], perplexity_of: Callable[[list[Projection
     base = trials[0]
     accurate = [t for t in trials[1:] if t.perplexity <= base.perplexity * MAX_PERPLEXITY_RATIO]
     if not accurate:
-        raise RuntimeError("no int8 kernel keeps perplexity within "
-                           f"{MAX_PERPLEXITY_RATIO - 1:.0%} of float32 on this CPU: " + _table(trials))
+        raise ValueError(f"--quantization int8: no int8 kernel keeps perplexity within {MAX_PERPLEXITY_RATIO - 1:.0%} "
+                         f"of float32 on this CPU; serve without --quantization ({_table(trials)})")
     best = min(accurate, key=lambda t: sum(t.ms.values()) / len(t.ms))
     choice = Int8Choice(best.kernel, machine().kind, torch.__version__, trials)
     logger.info("int8 kernels measured in %.1fs on %s: %s", time.perf_counter() - start, machine().kind,
