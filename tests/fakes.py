@@ -267,9 +267,13 @@ def unchecked_plan(tiers: TierManager, request, max_new_tokens: int = 4096):
 
 
 def drain(scheduler: Scheduler, runner: FakeRunner, executor: ManualExecutor | None = None,
-          max_steps: int = 2000, clock: FakeClock | None = None) -> None:
+          max_steps: int | None = None, clock: FakeClock | None = None) -> None:
     """Step (letting every store call answer, and time pass for calls that hang) until nothing is
-    left; then nothing may be held."""
+    left; then nothing may be held. A live scheduler computes at least one token a step, so the
+    default bound is four steps per token still to compute (room for preemptions' recomputation):
+    a fixed 2,000 failed a long run that had queued ~200 requests behind a budget of 2 tokens."""
+    if max_steps is None:
+        max_steps = 100 + 4 * sum(r.num_prompt_tokens + r.sampling.max_tokens for r in scheduler.requests.values())
     for _ in range(max_steps):
         if not scheduler.has_work:
             break
