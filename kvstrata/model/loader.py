@@ -199,7 +199,8 @@ def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dty
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     int8 = None
     if quantization == "int8":
-        # The int8 rows are the same on every CPU; the kernel, and so the rounding of activations, is not.
+        # The int8 rows are cached by weight bits (7 without VNNI); the kernel, which rounds on its own, is
+        # this CPU's choice: both go into the fingerprint through the kernel id (e.g. fbgemm-w8a8).
         int8 = load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_dir(), fingerprint, weight_bits()),
                                      traceable)
         identity["int8_kernel"] = int8.kernel_id
