@@ -195,6 +195,11 @@ def test_int8_state_is_cached_and_reloads_identically(tmp_path, monkeypatch):
     forced = load_model(config)
     assert forced.int8.kernel == other and forced.fingerprint != first.fingerprint
     assert path.stat().st_mtime_ns == mtimes[0]
+    # A cache that cannot take the choice costs the next start a measurement, never the start.
+    monkeypatch.delenv("KVSTRATA_INT8_KERNEL")
+    choice.unlink()
+    monkeypatch.setattr(int8_choice, "_write_atomically", lambda path, text: (_ for _ in ()).throw(OSError("full")))
+    assert load_model(config).int8.trials and not choice.exists()        # measured again, not cached
 
 
 def test_int8_rejects_what_its_kernels_cannot_run(tmp_path):

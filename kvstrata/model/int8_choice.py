@@ -129,7 +129,10 @@ def cached_or_chosen(rows: list[Int8Rows], perplexity_of: Callable[[list[Project
         choice = Int8Choice.from_json(json.loads(path.read_text()))
     else:
         choice = choose_kernel(rows, perplexity_of, kernels)
-        _write_atomically(path, json.dumps(choice.to_json(), indent=2) + "\n")
+        try:
+            _write_atomically(path, json.dumps(choice.to_json(), indent=2) + "\n")
+        except OSError as exc:                  # a full or read-only cache costs the next start a calibration
+            logger.warning("could not cache the int8 kernel choice in %s (%s); the next start measures again", path, exc)
     _report(choice)
     return choice
 
@@ -207,7 +210,10 @@ def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
 def _write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
