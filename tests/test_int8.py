@@ -141,6 +141,12 @@ def test_the_choice_is_the_fastest_accurate_kernel_and_warns_when_float_is_faste
     assert int8_choice.Int8Choice.from_json(json.loads(json.dumps(choice.to_json()))) == choice
     with pytest.raises(ValueError, match="no int8 kernel keeps perplexity within 5% of float32"):
         int8_choice.choose_kernel([None], lambda projections: table[projections[0]][2], ["fbgemm"])
+
+    def broken(rows):
+        raise RuntimeError("this library cannot pack here")
+    monkeypatch.setitem(int8_choice.INT8_KERNELS, "onednn", broken)       # a kernel that fails to build
+    choice = int8_choice.choose_kernel([None], lambda projections: table[projections[0]][2], list(table)[1:])
+    assert choice.kernel == "int_mm" and [t.kernel for t in choice.trials] == ["float32", "int_mm", "fbgemm"]
     slow = int8_choice.Int8Choice("int_mm", "cpu", torch.__version__,
                                   [KernelTrial("float32", {1: 10.0, 32: 40.0}, 20.0),
                                    KernelTrial("int_mm", {1: 12.0, 32: 60.0}, 20.2)])

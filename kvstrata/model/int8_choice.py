@@ -4,7 +4,8 @@ The fastest int8 kernel differs by ISA far more than any tuning recovers: on a Z
 no VNNI) `_int_mm` ran SmolLM2 at 0.36x fp32's speed at batch 1, while under an AVX2 cap FBGEMM's
 projections ran 2.3x faster than fp32's and oneDNN's 1.3x slower; with VNNI the order changes again
 (figures per machine in BENCHMARKS.md). So at first load on a CPU kind, `choose_kernel` builds
-every candidate kernel of `kvstrata.model.int8` over the model's own int8 rows, and for each:
+every candidate kernel of `kvstrata.model.int8` over the model's own int8 rows (one whose library
+cannot pack or run here is dropped, with a warning), and for each:
 1. times one pass over all projections and the head at 1 and 32 rows (a decode of one stream and of
    a batch), fastest of `REPEATS`, beside the same pass in float32 (the dequantized rows packed as
    the fp32 model packs them), all weights read from memory as in a real step;
@@ -146,10 +147,15 @@ def choose_kernel(rows: list[Int8Rows], perplexity_of: Callable[[list[Projection
     builders.update({name: INT8_KERNELS[name] for name in kernels})
     trials = []
     for name, build in builders.items():
-        projections = [build(r) for r in rows]
-        trials.append(KernelTrial(name, {n: _time_pass(projections, rows, n) for n in TIMED_ROWS},
-                                  perplexity_of(projections)))
-        del projections
+        try:
+            projections = [build(r) for r in rows]
+            trials.append(KernelTrial(name, {n: _time_pass(projections, rows, n) for n in TIMED_ROWS},
+                                      perplexity_of(projections)))
+        except RuntimeError as exc:             # a library that cannot pack or run on this CPU is no candidate
+            if name == FLOAT:
+                raise
+            logger.warning("int8 kernel %s does not run here (%s); not a candidate", name, exc)
+        projections = None
     base = trials[0]
     accurate = [t for t in trials[1:] if t.perplexity <= base.perplexity * MAX_PERPLEXITY_RATIO]
     if not accurate:

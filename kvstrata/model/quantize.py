@@ -220,16 +220,16 @@ def load_or_quantize_int8(model: LlamaModel, tokenizer, path: Path, traceable: b
     """Make `model` (just loaded in float32) int8: from the state cached at `path`, or by
     `quantize_int8` and then writing that state to `path` for the next start; through the kernel
     chosen for this CPU (one dynamo traces, if `traceable` and the CPU has one), which is returned.
-    Its attention then sums in float64 (see "Exact
-    attention" in kvstrata.model.attention): int8 activations would turn the float32 attention's
-    path-dependent last bits into different greedy tokens."""
+    Its attention then sums in float64 (see "Exact attention" in kvstrata.model.attention): int8
+    activations would turn the float32 attention's path-dependent last bits into different greedy
+    tokens."""
     model.attn.compute_dtype = torch.float64
+    token_ids = calibration_ids(tokenizer, model.arch)
     if path.is_file():
         weights = _apply_int8_state(model, safetensors.torch.load_file(path))
     else:
-        weights = quantize_int8(model, calibration_ids(tokenizer, model.arch), weight_bits())
+        weights = quantize_int8(model, token_ids, weight_bits())
         _save_int8_state(model, weights, path)
-    token_ids = calibration_ids(tokenizer, model.arch)
 
     def perplexity_with(projections: list[Projection]) -> float:
         install(model, weights, projections)
