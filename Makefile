@@ -43,10 +43,10 @@ serve: $(STAMP)
 fleet: $(STAMP)
 	BIN=$(BIN) scripts/fleet.sh
 
-# Peers (vLLM CPU, llama.cpp, transformers) install into bench/peers/venvs on first use, never into .venv.
+# Peers (vLLM CPU, llama.cpp, transformers) install into benchmarks/peers/venvs on first use, never into .venv.
 # About 40 minutes on 2 cores (plus ~15 for first installs); ARGS=--quick checks the pipeline in a few.
 bench: $(STAMP)
-	$(BIN)/python bench/run_all.py $(ARGS)
+	$(BIN)/python benchmarks/run_all.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -8,9 +8,9 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name: str):
     """Import the heavy parts (torch, transformers) only when they are asked for."""
     if name == "LLM":
-        from kvstrata.llm import LLM
+        from kvstrata.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from kvstrata.request import SamplingParams
+        from kvstrata.core.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(name)

@@ -1,5 +1,5 @@
 import sys
 
-from kvstrata.cli import main
+from kvstrata.entrypoints.cli.main import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvstrata.config import EngineConfig, ModelConfig
+from kvstrata.core.config import EngineConfig, ModelConfig
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +14,7 @@ def smollm2():
 @pytest.fixture
 def make_engine(smollm2):
     """LLMEngine factory on the shared SmolLM2 weights; every step is audited."""
-    from kvstrata.engine import LLMEngine
+    from kvstrata.engine.llm_engine import LLMEngine
 
     def build(faults=None, **options):
         options.setdefault("kv_cache_memory", "64MiB")

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvstrata.bench.loadgen import RunResult
 from kvstrata.bench.metrics import RunMetrics
-from kvstrata.machine import machine
+from kvstrata.core.machine import machine
 
 ROWS: tuple[tuple[str, str], ...] = (
     ("completed", "completed requests"), ("failed", "failed requests"), ("duration_s", "run time (s)"),

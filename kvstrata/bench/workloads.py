@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstrata.hashing import BlockHasher
+from kvstrata.core.hashing import BlockHasher
 from kvstrata.sim.traces import TRACE_BLOCK, TraceTokens, read_mooncake
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000

@@ -20,7 +20,7 @@ free a request's blocks tail first, so the least reusable end of a chain goes fi
 
 Every mutation bumps `epoch`, so a plan computed against one state can prove it is
 committed against the same state. A `listener`, when set, hears every hash that joins the index
-(True) or leaves it (False): that is what an engine publishes as KV events (kvstrata.routing.events).
+(True) or leaves it (False): that is what an engine publishes as KV events (kvstrata.engine.kv_events).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstrata.hashing import BlockHash
+from kvstrata.core.hashing import BlockHash
 
 
 class BlockState(enum.Enum):

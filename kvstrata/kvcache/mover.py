@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvstrata.core.hashing import BlockHash
 from kvstrata.kvcache.buffers import PagedKVCache
-from kvstrata.hashing import BlockHash
-from kvstrata.kvcache.records import RecordError, decode_record, encode_record
+from kvstrata.kvcache.stores.records import RecordError, decode_record, encode_record
 
 
 class TierBuffers:

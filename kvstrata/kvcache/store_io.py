@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
-from kvstrata.hashing import BlockHash
+from kvstrata.core.hashing import BlockHash
 from kvstrata.kvcache.transfers import Executor
 
 logger = logging.getLogger(__name__)

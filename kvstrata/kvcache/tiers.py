@@ -61,12 +61,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from kvstrata.config import CacheConfig
-from kvstrata.kvcache.block_pool import Block, BlockPool, BlockState, EvictedBlock, PoolCounts
-from kvstrata.hashing import BlockHash
+from kvstrata.core.config import CacheConfig
+from kvstrata.core.hashing import BlockHash
+from kvstrata.core.request import Request, RequestStatus
+from kvstrata.kvcache.block_pool import (
+    Block,
+    BlockPool,
+    BlockState,
+    EvictedBlock,
+    PoolCounts,
+)
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.transfers import BlockMover, Executor, LoadTransfer
-from kvstrata.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

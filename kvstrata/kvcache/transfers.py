@@ -15,9 +15,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvstrata.core.hashing import BlockHash
+from kvstrata.core.request import Request
 from kvstrata.kvcache.block_pool import Block
-from kvstrata.hashing import BlockHash
-from kvstrata.request import Request
 
 
 class BlockMover(Protocol):

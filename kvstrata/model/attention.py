@@ -15,7 +15,7 @@ is planned once per forward (`PagedAttention.plan`) and replayed by every layer:
               gathers the sequence's blocks and masks them.
 
 Cascade (shared-prefix) attention. Decodes whose block tables start with the same blocks come
-as a `DecodeGroup` (the runner finds them, kvstrata.model.prefix_groups). A group's shared blocks
+as a `DecodeGroup` (the runner finds them, kvstrata.kvcache.prefix_groups). A group's shared blocks
 are copied once and attended once by all of its queries together (one matmul of the group's
 k * G query rows per kv head); each decode then attends to its own blocks after the prefix, and
 the two partial results merge exactly by their log-sum-exp (LSE):
@@ -38,12 +38,12 @@ batch 1 every extra op per layer costs time, and their results stay bit for bit 
 Each batched segment pads its sequences to its longest and masks the rest, so grouped decodes
 (short own parts) are never padded to the length of an ungrouped one.
 
-Measured (bench/model_step.py's shapes, SmolLM2 fp32, 1 thread, process CPU time on the shared
+Measured (benchmarks/model_step.py's shapes, SmolLM2 fp32, 1 thread, process CPU time on the shared
 2-core AVX2 EPYC; before -> after): 16 decodes at 1,040 tokens sharing 1,024 of them, a step 170-194
 -> 111-118 ms, its gather 33-34 -> 6-7 ms, the rest of attention 54-63 -> 20-22 ms (now the FLOPs of
 the 16 x 9 query rows over 1,040 keys, which no grouping removes); 32 decodes at 600 sharing 512,
 300 -> 185 ms. Where it loses: a group costs ~40 us per layer more than SDPA, so a small one does
-not pay (see kvstrata.model.prefix_groups.GROUP_COST_TOKENS). With the kernel reading every decode's
+not pay (see kvstrata.kvcache.prefix_groups.GROUP_COST_TOKENS). With the kernel reading every decode's
 blocks in place, a group saves only the kernel's passes over a prefix the other members find in
 cache, and costs ~100-270 us per layer in bf16, so groups are formed from ~12,000 saved tokens on
 (IN_PLACE_GROUP_COST_TOKENS; 16 decodes sharing 1,024 tokens qualify, 4 sharing 512 do not). Decodes
@@ -52,10 +52,10 @@ at 600 tokens, SDPA another 28%) until the paged kernel: on 16 x 600 bf16 keys p
 a 30,000-block cache) 0.61-0.67 ms against 1.24 ms for gather + SDPA, and a bf16 model step at batch
 32 x 600 92-102 ms against 150-176 ms. Prefill chunks took torch's CPU flash SDPA (bf16 at 56-100
 GFLOP/s here; a chunk after cached tokens also gathered its blocks and built a mask) until the
-kernel's many-rows path: per layer in bf16 (SmolLM2's heads, 2 threads, bench/paged_kernel.py
+kernel's many-rows path: per layer in bf16 (SmolLM2's heads, 2 threads, benchmarks/paged_kernel.py
 --chunks) a 512-token prompt 0.51x SDPA's time, 1,024 tokens 0.64x, 128 tokens after 512 cached
 0.65-0.71x, 64 after 1,024 0.79x; a bf16 prefill step of 512 tokens 216-217 ms against 292-303 ms,
-of 1,024 tokens 570-595 against 687-695 (bench/model_step.py --prefills, interleaved runs).
+of 1,024 tokens 570-595 against 687-695 (benchmarks/model_step.py --prefills, interleaved runs).
 
 Exact attention for int8 models (`compute_dtype=torch.float64`). Each kernel above sums in an
 order that depends on the call's shapes (SDPA's tiles follow the key count and the query count; a

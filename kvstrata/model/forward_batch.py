@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.model.prefix_groups import DecodeGroup   # re-exported: it lives where torch is not needed
+from kvstrata.kvcache.prefix_groups import (
+    DecodeGroup,  # re-exported: it lives where torch is not needed
+)
 
 
 @dataclass

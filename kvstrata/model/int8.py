@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.machine import machine
+from kvstrata.core.machine import machine
 
 
 def weight_bits() -> int:

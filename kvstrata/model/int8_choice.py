@@ -13,7 +13,7 @@ cannot pack or run here is dropped, with a warning), and for each:
    kernel that computes garbage here: one more than `MAX_PERPLEXITY_RATIO` above it is never
    chosen. (Kernels that would saturate on this ISA are not candidates at all: `available_kernels`.
    The guard cannot rank the rest: a 1e-4 change in any one projection moves an int8 model's
-   perplexity by 1-2% through rounding that flips downstream, bench/quant_accuracy.py measures
+   perplexity by 1-2% through rounding that flips downstream, benchmarks/quant_accuracy.py measures
    the chosen kernel's accuracy on 7,650 tokens.)
 It takes the kernel with the smallest mean time over the two row counts. The choice and every
 figure go to `<int8 state>.kernel-<hash of CPU kind, torch, candidates>.json`, so later starts read it
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvstrata.machine import machine
+from kvstrata.core.machine import machine
 from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, available_kernels, weight_bits
 from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
 

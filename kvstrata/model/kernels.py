@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.config import cache_dir
+from kvstrata.core.config import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ one layer's projections plus the 49,152-row head, ms per pass (F.linear -> packe
     fp32    7.8 -> 2.7   16.5 -> 3.9   48 -> 19     192 -> 94
     bf16    2.2 -> 1.4    3.0 -> 2.2   10.4 -> 9.4   49 -> 47
 
-Whole decode steps (bench/model_step.py, 600 tokens of context): bf16 batch 1 / 16 / 32 20.4 /
+Whole decode steps (benchmarks/model_step.py, 600 tokens of context): bf16 batch 1 / 16 / 32 20.4 /
 30.4 / 44.8 -> 13.8 / 27.1 / 38.1 ms; fp32 batch 16 / 32 70.4 / 112 -> 39.2 / 61.5 ms, and batch 1
 15.8 -> ~19 ms, the one loss (against the per-thread split `bmm` this replaced). Results stay
 float32 sums (within ~3e-6 of float64 for fp32, as MKL's). The hint is the row count oneDNN tunes

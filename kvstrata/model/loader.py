@@ -33,8 +33,8 @@ import safetensors.torch
 import torch
 from transformers import AutoTokenizer
 
-from kvstrata.config import ModelConfig, cache_dir
-from kvstrata.machine import machine
+from kvstrata.core.config import ModelConfig, cache_dir
+from kvstrata.core.machine import machine
 from kvstrata.model import gguf_convert, kernels
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
 from kvstrata.model.compiled import compile_layers
@@ -104,7 +104,7 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -
     kernels take and return float32 activations).
 
     Without native bf16 (e.g. AVX2-only EPYC), bf16 matmuls run 3-8x slower than fp32 at every
-    batch size (bench/model_step.py). With it, bf16 is the better serving default from batch ~8 up
+    batch size (benchmarks/model_step.py). With it, bf16 is the better serving default from batch ~8 up
     (research/assets.md: transformers 265 vs 158 tok/s at batch 32), at some cost for one stream.
     """
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -120,7 +120,7 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -
 
 
 def _cpu_has_native_bf16() -> bool:
-    """bf16 in hardware (AVX512-BF16 / AMX; `kvstrata.machine`) and a oneDNN that uses it. oneDNN
+    """bf16 in hardware (AVX512-BF16 / AMX; `kvstrata.core.machine`) and a oneDNN that uses it. oneDNN
     also runs bf16 on plain AVX-512 and AVX2 by converting, slower than float32 there."""
     if not machine().native_bf16:
         return False

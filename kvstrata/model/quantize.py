@@ -21,9 +21,9 @@
    float32 for the lookup).
 4. Install them through the int8 kernel chosen for this CPU (`kvstrata.model.int8_choice`).
 
-Measured on SmolLM2-135M-Instruct (perplexity on bench/data/gpl-3.0.txt, first 2,048 tokens):
+Measured on SmolLM2-135M-Instruct (perplexity on benchmarks/data/gpl-3.0.txt, first 2,048 tokens):
 fp32 21.26, int8 without smoothing 22.31 (+5.0%), with it (alpha 0.5 everywhere) 21.60 (+1.6%).
-`bench/quant_accuracy.py` reports the figures over the whole text and greedy agreement; an int8
+`benchmarks/quant_accuracy.py` reports the figures over the whole text and greedy agreement; an int8
 model's perplexity moves by 1-2% with any 1e-4 change to one projection (rounding flips
 downstream), so alphas were chosen on the spread over the kernels, not on one run.
 
@@ -52,7 +52,12 @@ import torch
 
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, weight_bits
-from kvstrata.model.int8_choice import Int8Choice, cached_or_chosen, candidates, perplexity
+from kvstrata.model.int8_choice import (
+    Int8Choice,
+    cached_or_chosen,
+    candidates,
+    perplexity,
+)
 from kvstrata.model.linear import DenseLinear, Projection
 from kvstrata.model.llama import LlamaModel
 
@@ -60,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 # By weight bits (`kvstrata.model.int8.weight_bits`), then projection. The down projection's input
 # (silu(gate) * up) has the worst outliers: with 8-bit weights it smooths harder, with 7-bit ones
-# less. Perplexity on bench/data/gpl-3.0.txt (7,650 tokens; fp32 19.03), the spread over the
+# less. Perplexity on benchmarks/data/gpl-3.0.txt (7,650 tokens; fp32 19.03), the spread over the
 # kernels, by down's alpha: 8-bit 0.5 +1.62-2.24%, 0.6 +1.29-1.44%, 0.65 +1.26-1.57%, 0.7
 # +2.13-2.22%; 7-bit (under an AVX2 cap) 0.3 +2.88%, 0.4 +2.20%, 0.45 +1.59-1.90%, 0.5 +2.58%.
 SMOOTHING_ALPHA = {

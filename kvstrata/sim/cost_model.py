@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstrata.machine import machine as current_machine
-from kvstrata.model.prefix_groups import group_cost_tokens, group_decodes
+from kvstrata.core.machine import machine as current_machine
+from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def causal_pairs(n: int) -> int:
 
     It skips only whole key tiles past a query tile's last row, and masks inside the tiles it
     computes, so up to 512 tokens it computes all n^2 pairs, not the n (n + 1) / 2 that count;
-    beyond, a query tile computes every key tile it reaches. Measured (bench/continued_prefill.py,
+    beyond, a query tile computes every key tile it reaches. Measured (benchmarks/continued_prefill.py,
     bf16, 1 thread): counted so, the causal path costs 0.92 us per pair against 0.91 for the
     masked path of a chunk after cached tokens, as it should (the same kernel per pair); counted
     as n (n + 1) / 2, fresh chunks of ~500 tokens fit 6-10% low and 1,024 tokens 2-4% high, and
@@ -239,7 +239,7 @@ class CostModel:
                                                  # 0.09-0.10 ms a block against 0.05-0.06 to encode
     fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
     decode_in_place: bool = False                # the engine fitted on read blocks in place (decodes, prefill chunks)
-    machine: dict | None = None                  # a calibrated profile's CPU (kvstrata.machine) and engine dtype
+    machine: dict | None = None                  # a calibrated profile's CPU (kvstrata.core.machine) and engine dtype
 
     def __post_init__(self) -> None:
         if len(self.compute) != len(FEATURES) or len(self.memory) != len(FEATURES):

@@ -31,16 +31,23 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvstrata.config import POLICIES, WRITE_POLICIES, CacheConfig, SchedulerConfig
-from kvstrata.sim.cost_model import BatchShape, CostModel
-from kvstrata.hashing import BlockHasher
+from kvstrata.core.config import POLICIES, WRITE_POLICIES, CacheConfig, SchedulerConfig
+from kvstrata.core.hashing import BlockHasher
+from kvstrata.core.request import Request
+from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.tiers import PROBE_WAIT_S, TierManager
-from kvstrata.request import Request, SamplingParams
-from kvstrata.routing.scheduler_view import ROUTERS, make_router
-from kvstrata.scheduler import Scheduler, SchedulerOutput
+from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvstrata.sim.cost_model import BatchShape, CostModel
+from kvstrata.sim.routing import ROUTERS, make_router
 from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
-from kvstrata.sim.traces import (TRACE_BLOCK, TraceRequest, TraceTokens, check_tokens_per_id, ideal_hit_rate,
-                             num_prompt_blocks)
+from kvstrata.sim.traces import (
+    TRACE_BLOCK,
+    TraceRequest,
+    TraceTokens,
+    check_tokens_per_id,
+    ideal_hit_rate,
+    num_prompt_blocks,
+)
 
 logger = logging.getLogger(__name__)
 

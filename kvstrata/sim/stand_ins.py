@@ -24,8 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+from kvstrata.core.hashing import BlockHash
 from kvstrata.sim.cost_model import Link
-from kvstrata.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvstrata.hashing import BlockHash, BlockHasher
+from kvstrata.core.hashing import BlockHash, BlockHasher
 
 TRACE_BLOCK = 512            # tokens per hash id in Mooncake traces
 _SEED = np.uint64(0x6B7673747261)
@@ -130,7 +130,7 @@ class TraceTokens:
     def _hash_from(self, parent: BlockHash, ids: Sequence[int], out: list[BlockHash]) -> None:
         """Hash trace blocks `ids` chained from `parent` (tokens drawn once for all), caching each."""
         size = self.hasher.block_size * 4                     # bytes of one engine block as uint32
-        encoded = self.block_tokens(ids).astype("<u4")        # the canonical encoding of kvstrata.hashing
+        encoded = self.block_tokens(ids).astype("<u4")        # the canonical encoding of kvstrata.core.hashing
         for trace_id, row in zip(ids, encoded):
             data, block = row.tobytes(), []
             key = (parent, trace_id)

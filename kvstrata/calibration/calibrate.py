@@ -1,0 +1,279 @@
+"""Fit the simulator's cost model to the real engine (`kvstrata calibrate`); `kvstrata.calibration.validation` checks it.
+
+`calibrate` runs the real `LLMEngine` over a grid of batch shapes and times whole steps:
+
+    prefill   a chunk of n new tokens after a cached prefix of s tokens    (n x s grid; s = 32: a
+              first turn after a shared system prompt)
+    burst     k prompts of n tokens arriving together: k prefill chunks in one step
+    decode    B requests decoding at context c, sharing all but their last block (cascade groups)
+              and with nothing shared (each reads its own blocks)
+    mixed     a prefill arriving while B requests decode
+
+then fits `compute` by non-negative least squares on relative error (cost_model.fit). Prompts are
+fresh for every run of the grid, so each repeat has the same shapes; each step keeps its median.
+It also times the engine's device -> host copies (`host_link`), encoding and decoding a block's
+store record (`record_link`, `decode_link`) and reading blocks back from a disk store (`store_link`). With `--trace` it
+replays trace slices on the engine too and fits their steps as well; the profile's `fitted_on`
+names the grid and every such slice, and `simulate --validate` refuses those slices.
+
+Steps are timed by the engine thread's CPU time by default (`--clock wall` for a machine of one's
+own); validate with the same clock. This imports torch (through the engine); the simulator never does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import json
+import logging
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvstrata.calibration.validation import (
+    BLOCK_SIZE,
+    CLOCKS,
+    MAX_CHUNK,
+    SLICES,
+    ShapeRecorder,
+    loadavg,
+    replay_on_engine,
+    slice_identity,
+    speed_probe,
+    time_scale_for,
+    warm_up,
+)
+from kvstrata.core.config import EngineConfig
+from kvstrata.core.machine import machine as current_machine
+from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.kvcache.stores.disk import DiskStore
+from kvstrata.sim.cost_model import BatchShape, CostModel, Link, fit, relative_errors
+
+logger = logging.getLogger(__name__)
+
+# prefix -> chunks; a short prefix with long chunks is a chat's first turn after a shared system prompt;
+# fresh chunks across 512 tokens pin the causal kernel's key tiles (cost_model.causal_pairs)
+PREFILL_GRID = {0: (16, 128, 256, 512, 768, 1024), 32: (384, 992), 512: (128, 512), 1024: (16, 256, 512),
+                2048: (64, 256)}
+BURSTS = ((2, 256), (4, 64), (8, 16), (8, 96))                                    # (prompts, tokens each)
+DECODE_GRID = {64: (1, 2, 4, 8, 16, 32), 512: (1, 2, 4, 8), 1024: (1, 2, 4)}       # context -> batch sizes
+DISTINCT_DECODES = {256: (4, 16), 1024: (4, 8)}      # context -> batch sizes, no prefix shared
+DECODE_STEPS = 6
+# (batch, context, prefill, shared): decodes (sharing one prefix, or each with a context of its own)
+# joined by a fresh prefill; distinct long contexts read their KV from memory behind a big chunk
+MIXED = ((8, 512, 512, True), (16, 64, 256, True), (4, 1024, 512, False))
+CLOCK_NAMES = {"cpu": "engine-thread CPU time", "wall": "wall time"}
+
+
+def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(0, vocab, n).tolist()
+
+
+def _timed(engine, recorder: ShapeRecorder, timer: Callable[[], float]) -> Iterator[tuple[BatchShape, float]]:
+    """Step the engine until idle; yield each non-empty step's shape and duration."""
+    while engine.has_work:
+        started = timer()
+        engine.step()
+        seconds = timer() - started
+        if recorder.last is not None:
+            yield recorder.last, seconds
+
+
+def _grid_run(engine, recorder: ShapeRecorder, timer: Callable[[], float],
+              seed: int) -> list[tuple[BatchShape, float]]:
+    """One pass over the grid with prompts no earlier pass has cached."""
+    rng, vocab = np.random.default_rng(seed), engine.loaded.arch.vocab_size
+    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    points: list[tuple[BatchShape, float]] = []
+
+    def run() -> Iterator[tuple[BatchShape, float]]:
+        return _timed(engine, recorder, timer)
+
+    for prefix, chunks in PREFILL_GRID.items():
+        shared = _tokens(rng, prefix, vocab)
+        if prefix:
+            engine.add_request(shared + _tokens(rng, 1, vocab), one)        # computes and caches the prefix
+            points += run()
+        for n in chunks:
+            engine.add_request(shared + _tokens(rng, n, vocab), one)
+            points += run()
+    decode = SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True, temperature=0.0)
+    for prompts, n in BURSTS:
+        for _ in range(prompts):
+            engine.add_request(_tokens(rng, n, vocab), one)
+        points += run()
+    for context, batches in DECODE_GRID.items():
+        shared = _tokens(rng, context - BLOCK_SIZE, vocab)
+        engine.add_request(shared + _tokens(rng, 1, vocab), one)            # the batch shares this prefix
+        points += run()
+        for batch in batches:
+            for _ in range(batch):
+                engine.add_request(shared + _tokens(rng, BLOCK_SIZE, vocab), decode)
+            points += run()
+    for context, batches in DISTINCT_DECODES.items():
+        for batch in batches:
+            for _ in range(batch):
+                engine.add_request(_tokens(rng, context, vocab), decode)
+            points += run()
+    for batch, context, prefill, shared_prefix in MIXED:
+        shared = _tokens(rng, context - BLOCK_SIZE, vocab) if shared_prefix else []
+        if shared_prefix:
+            engine.add_request(shared + _tokens(rng, 1, vocab), one)
+            points += run()
+        for _ in range(batch):
+            engine.add_request(shared + _tokens(rng, context - len(shared), vocab), decode)
+        steps = run()
+        for point in steps:                                                # its prefills, then a decode step
+            points.append(point)
+            if point[0].prefill_tokens == 0:
+                break
+        points.append(next(steps))                                         # the batch is decoding now
+        engine.add_request(_tokens(rng, prefill, vocab), one)
+        points += steps
+    return points
+
+
+def _best(action: Callable[[], object], timer: Callable[[], float], repeat: int = 5) -> float:
+    times = []
+    for _ in range(repeat):
+        started = timer()
+        action()
+        times.append(timer() - started)
+    return min(times)
+
+
+def _link(one: float, many: float, block_bytes: int, blocks: int = 32) -> Link:
+    """A link from the time to move one block and `blocks` blocks: latency and bandwidth."""
+    bandwidth = (blocks - 1) * block_bytes / max(many - one, 1e-9)
+    return Link(latency_s=max(0.0, one - block_bytes / bandwidth), bandwidth=bandwidth)
+
+
+def _transfer_links(engine, timer: Callable[[], float]) -> tuple[Link, Link, Link, Link]:
+    """The engine's own device -> host block copies (one block, then 32: latency and bandwidth);
+    the time to encode one block's store record and to decode one (a bandwidth over the block's
+    bytes each: decoding checks and copies more, 0.10 against 0.063 ms here);
+    a disk store's loads of such records while the engine steps (`_store_link`)."""
+    buffers = engine.runner.buffers
+    block_bytes = engine.runner.spec.bytes_per_block
+    one = _best(lambda: buffers.copy("device", "host", [(0, 0)]), timer)
+    many = _best(lambda: buffers.copy("device", "host", [(i, i) for i in range(32)]), timer)
+    tokens = list(range(BLOCK_SIZE))
+    record = buffers.encode("device", 0, b"\0" * 16, tokens)
+    encode = _best(lambda: buffers.encode("device", 0, b"\0" * 16, tokens), timer)
+    decode = _best(lambda: buffers.decode_into("device", 1, record, b"\0" * 16, tokens), timer)
+    store = _store_link(record, lambda: _decode_step(engine))
+    while engine.has_work:              # what comes next (the speed probe) finds the engine idle
+        engine.step()
+    return (_link(one, many, block_bytes), Link(latency_s=0.0, bandwidth=block_bytes / encode),
+            Link(latency_s=0.0, bandwidth=block_bytes / decode), store)
+
+
+def _decode_step(engine) -> None:
+    if not engine.has_work:
+        engine.add_request(list(range(1, 65)), SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))
+    engine.step()
+
+
+def _store_link(record: bytes, busy: Callable[[], None], repeat: int = 5) -> Link:
+    """A disk store's loads: records just written, read back on a store thread while `busy` runs
+    the engine's step loop (as a load runs), one then 32, the median of `repeat`, in wall time.
+    Measured here: 0.4-0.8 ms + 7-12 GB/s; the loads inside a validation replay averaged 1.3-1.7
+    GB/s (they share the store's threads with its writes, 0.3 ms a block), so this link is
+    optimistic for a store that is also writing."""
+    with tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-") as folder, ThreadPoolExecutor(1) as thread:
+        store = DiskStore(folder, 1024 * len(record))
+        fresh = (i.to_bytes(16, "big") for i in itertools.count())
+
+        def read(keys: list[bytes]) -> float:
+            store.get(keys)
+            return time.perf_counter()
+
+        def load(blocks: int) -> float:
+            keys = [next(fresh) for _ in range(blocks)]
+            store.put([(key, record) for key in keys])
+            started = time.perf_counter()
+            done = thread.submit(read, keys)
+            while not done.done():
+                busy()
+            return done.result() - started
+
+        one, many = (statistics.median(load(blocks) for _ in range(repeat)) for blocks in (1, 32))
+        return _link(one, many, len(record))
+
+
+@dataclass
+class Calibration:
+    """A fitted profile and the measured steps it was fitted to (kept in the profile file, for refits)."""
+
+    model: CostModel
+    shapes: list[BatchShape]
+    seconds: list[float]
+
+    def report(self) -> str:
+        errors = np.abs(relative_errors(self.model, self.shapes, self.seconds))
+        return (f"fit over {len(self.shapes)} steps ({min(self.seconds) * 1000:.1f} ms to {max(self.seconds):.2f} s): "
+                f"relative error median {np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}, "
+                f"max {errors.max():.1%}")
+
+    def save(self, path: str | Path) -> None:
+        data = self.model.to_json()
+        data["measurements"] = {"columns": [*BatchShape._fields, "seconds"],
+                                "rows": [[*shape, round(t, 6)] for shape, t in zip(self.shapes, self.seconds)]}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = None, clock: str = "cpu",
+              trace: str | Path | None = None, slices: tuple[str, ...] = ()) -> Calibration:
+    """Fit a profile to the default model on this machine: the grid, and `slices` of `trace` if named."""
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_options(block_size=BLOCK_SIZE, kv_cache_memory="512MiB", max_model_len=4096,
+                                       max_num_batched_tokens=MAX_CHUNK, max_num_seqs=64, threads=threads,
+                                       num_host_blocks=32)
+    engine = LLMEngine(config)
+    recorder = ShapeRecorder(engine.runner)
+    engine.runner = recorder
+    warm_up(engine)
+    runs = [_grid_run(engine, recorder, CLOCKS[clock], seed=run + 1) for run in range(repeat)]
+    shapes = [shape for shape, _ in runs[0]]
+    if any([shape for shape, _ in run] != shapes for run in runs):
+        raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
+    seconds = [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
+    spec = recorder.runner.spec
+    host_link, record_link, decode_link, store_link = _transfer_links(engine, CLOCKS[clock])
+    probe = speed_probe(engine, CLOCKS[clock])
+    fitted_on = [{"kind": "grid", "steps": len(shapes), "repeat": repeat, "probe_s": round(probe, 6),
+                  "loadavg": loadavg(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "prefill": {str(k): v for k, v in PREFILL_GRID.items()}, "bursts": BURSTS,
+                  "decode": {str(k): v for k, v in DECODE_GRID.items()},
+                  "distinct_decodes": {str(k): v for k, v in DISTINCT_DECODES.items()}, "mixed": MIXED}]
+    profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
+                   store_link=store_link, record_link=record_link, decode_link=decode_link,
+                   decode_in_place=recorder.runner.decodes_in_place,
+                   machine={**current_machine().as_dict(), "dtype": str(engine.loaded.dtype).removeprefix("torch.")},
+                   source=(f"calibrated on {machine or current_machine().describe()}, {datetime.date.today().isoformat()}, model "
+                           f"{engine.loaded.name} ({engine.loaded.dtype}, {threads or 'default'} threads), "
+                           f"{len(shapes)} grid steps x {repeat} runs{' + trace slices ' + ','.join(slices) if slices else ''}"
+                           f" timed by {CLOCK_NAMES[clock]}; store link: a disk store in {tempfile.gettempdir()}"))
+    loaded = engine.loaded
+    engine.close()
+    for name in slices:
+        if trace is None:
+            raise ValueError("fitting on trace slices needs --trace")
+        requests, lines = SLICES[name].load(trace)
+        scale = time_scale_for(requests, fit(shapes, seconds, **profile), 1.0, SLICES[name].tokens_per_id)
+        requests = [dataclasses.replace(r, arrival=r.arrival * scale) for r in requests]
+        run = replay_on_engine(requests, SLICES[name].sim_config(), threads, clock, loaded)
+        shapes += [shape for shape, _ in run.steps]
+        seconds += [t for _, t in run.steps]
+        fitted_on.append(slice_identity(trace, name, lines))
+    model = fit(shapes, seconds, fitted_on=tuple(fitted_on), **profile)
+    return Calibration(model, shapes, seconds)

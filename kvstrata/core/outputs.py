@@ -1,0 +1,40 @@
+"""What the engine hands its callers: one step's output per request, with its logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]   # (token id, logprob) of the most likely tokens, best first
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request, as the engine hands it to callers."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str                      # the detokenized delta, never half a character
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_scheduled_time: float | None = None     # monotonic; when the request was first computed (metrics)
+    index: int = 0                 # which sample of its request (n / best_of > 1)
+    cumulative_logprob: float | None = None       # of the sampled tokens so far, when they were scored
+
+
+def best_samples(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """The n samples to return, renumbered 0..n-1: all of them when they are n, else the n of
+    highest cumulative logprob (vLLM's best_of rule; the raw logprobs of the sampled tokens)."""
+    if len(outputs) == n:
+        return outputs
+    ranked = sorted(outputs, key=lambda out: -(out.cumulative_logprob or 0.0))[:n]
+    return [dataclasses.replace(out, index=index) for index, out in enumerate(ranked)]

@@ -1,0 +1,124 @@
+"""A request's token ledger, its status, and the family of samples it may belong to.
+
+`Request` is the one record the scheduler, the tier manager and the runner share:
+its token ids (prompt then output), how many of them have KV computed, and the
+hashes of its full blocks, extended as tokens arrive. It holds no block ids;
+the tier manager owns those.
+
+    token_ids:   [ prompt ............................ | output ....... ]
+                  <------- num_computed_tokens ------->  <- to compute ->
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvstrata.core.hashing import BlockHash, BlockHasher
+from kvstrata.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    PREEMPTED = 1      # waiting again after losing its blocks; resumes before new requests
+    LOADING = 2        # blocks committed, waiting for lower-tier loads to land
+    RUNNING = 3
+    AWAITING_FORK = 4  # a sample of a family: waits for its leader's prefill, then forks from it
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13    # its step raised; everything it held was released
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. Mutated only by the scheduler (and the engine for stop strings)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    hasher: BlockHasher
+    arrival_time: float = 0.0
+    priority: int = 0              # lower value is served first
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_tokens: int = -1    # prompt tokens served from cache at first admission; -1 until admitted
+    first_scheduled_time: float | None = None      # monotonic time of the first step that computed it
+    num_preemptions: int = 0
+    family: SampleFamily | None = None              # the samples of one request that share its prefill
+    sample_index: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt must hold at least one token")
+        assert self.sampling.max_tokens is not None, "resolve max_tokens before building a Request"
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.hasher.extend(self.block_hashes, self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The longest this request can grow: prompt plus max_tokens."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.hasher.extend(self.block_hashes, self.token_ids)
+
+
+@dataclass(eq=False)
+class SampleFamily:
+    """The samples of one request (n or best_of > 1), which compute its prompt once.
+
+    The leader (sample 0) is admitted, with room for the whole family, and prefills the prompt;
+    the others wait in AWAITING_FORK. The step that samples the leader's first token samples
+    theirs from the same logits, and each forks: it holds the leader's full prompt blocks (one
+    more reference each) and a private copy of the partly filled last one. From then on each
+    sample is a request of its own that shares those blocks.
+
+        leader:    [ p0 p1 p2 p3 | p4 p5 p6 p7 | p8 p9 t0 .. ]
+        sample 1:  [ shared      | shared      | p8 p9 u0 .. ]   (last block copied at the fork)
+    """
+
+    family_id: str
+    samples: list[Request]
+    forked: bool = False
+
+    @property
+    def leader(self) -> Request:
+        return self.samples[0]
+
+    @property
+    def pending(self) -> list[Request]:
+        """The samples still waiting to fork (none once the fork happened)."""
+        return [] if self.forked else [s for s in self.samples[1:] if not s.is_finished]

@@ -1,0 +1,520 @@
+"""`LLMEngine` (synchronous) and `AsyncLLMEngine` (one thread drives it for the server).
+
+    step():  schedule -> run the model -> update the ledger -> turn tokens into outputs
+
+A step that raises (the model, the sampler, a bug) costs the requests of that step, never the
+engine: they end with finish reason "error", everything they held is released, and `audit()`
+proves it. Only an audit that fails after that recovery is fatal (`EngineDeadError`).
+
+`LLMEngine` is not thread-safe: `AsyncLLMEngine` gives it one thread of its own and funnels every
+add and abort through a command queue that thread drains between steps, so the scheduler, the
+pools and the tokenizer are only ever touched by that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.core.config import EngineConfig
+from kvstrata.core.errors import RequestRejected
+from kvstrata.core.hashing import BlockHasher
+from kvstrata.core.outputs import RequestOutput, best_samples
+from kvstrata.core.request import Request, RequestStatus, SampleFamily
+from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.engine.detokenizer import IncrementalDetokenizer
+from kvstrata.kvcache.faults import FaultInjector, FaultyMover
+from kvstrata.kvcache.stores import open_store
+from kvstrata.kvcache.tiers import TierManager
+from kvstrata.model.arch import ModelArch
+from kvstrata.model.loader import LoadedModel, load_model
+from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvstrata.structured.grammar import compile_grammar
+from kvstrata.structured.tool_calls import render_chat
+from kvstrata.worker.runner import ModelRunner, StepResult
+
+logger = logging.getLogger(__name__)
+
+PERSIST_BATCH = 16      # blocks an idle engine sends to the store between looks at its command queue
+MAP_CHUNK_BYTES = 16 * 2**20   # KV pages an idle engine maps between looks (~35 ms here)
+
+
+class EngineDeadError(RuntimeError):
+    """The books did not balance after recovering from a failed step: the engine cannot go on."""
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Messages to render with the model's chat template (in the engine thread, with the tokenizer)."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()     # OpenAI function tools, rendered for the model (tool_calls.py)
+
+
+Prompt = str | Sequence[int] | ChatPrompt
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, for metrics and the CLI's figures."""
+
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    audit_failures: int = 0
+    step_failures: int = 0
+    step_seconds: float = 0.0
+    schedule_seconds: float = 0.0      # of step_seconds: scheduling and admission
+    model_seconds: float = 0.0         # of step_seconds: the model and the sampler
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request (one sample of a family) beside its ledger."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    family_id: str                     # the id the caller knows (a family's samples share it)
+    show_logprobs: bool                # the caller asked (best_of also scores the samples that did not)
+    logprobs: list = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 faults: FaultInjector | None = None):
+        config.validate()
+        self.loaded = loaded or load_model(config.model)
+        # The one value of the config learned from the model: a new (frozen) config, never a mutation.
+        scheduler_config = dataclasses.replace(
+            config.scheduler, max_model_len=resolve_max_model_len(config.scheduler.max_model_len, self.loaded.arch))
+        self.config = config = dataclasses.replace(config, scheduler=scheduler_config).validate()
+        self.tokenizer = self.loaded.tokenizer
+        self.runner = ModelRunner(self.loaded, config.cache)
+        self.faults = faults
+        cache = config.cache
+        self.store = open_store(cache.store, cache.store_path, cache.store_capacity, cache.store_timeout)
+        mover = self.runner.buffers if faults is None else FaultyMover(self.runner.buffers, faults)
+        self.tiers = TierManager(cache, self.runner.num_device_blocks, self.runner.num_host_blocks,
+                                 store=self.store, mover=mover)
+        self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids)
+        self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)
+        self.stats = EngineStats()
+        self._tracked: dict[str, _Tracked] = {}
+        self._families: dict[str, list[str]] = {}     # family id -> its samples' request ids (n > 1)
+        self._ids = itertools.count()
+
+    # ---- intake ---------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, ChatPrompt):
+            return self.chat_prompt(prompt.messages, prompt.tools)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
+        """Token ids of a chat rendered with the model's own template, ready for the reply."""
+        if not self.loaded.chat_template:
+            raise ValueError(f"the model {self.loaded.name} has no chat template; use a completion instead")
+        try:
+            text = render_chat(self.tokenizer, self.loaded.chat_template, messages, tools)
+        except Exception as exc:        # the template's own checks (role order, missing fields)
+            raise RequestRejected(f"the chat template rejected these messages: {exc}", "prompt") from exc
+        return self.encode(text)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Tokenize, validate and queue a request; ValueError (nothing queued) if it cannot run.
+
+        `params.max_tokens` None means as many as the context leaves after the prompt. With n or
+        best_of above 1 the request is a family of samples `{request_id}/{index}` sharing one
+        prefill (see SampleFamily); its outputs carry `request_id` and their `index`. Returns the
+        request (a family's leader).
+        """
+        token_ids = self.encode(prompt)
+        params = params or SamplingParams()
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(1, self.config.scheduler.max_model_len - len(token_ids)))
+        params = params.validate()
+        if params.structured is not None:
+            compile_grammar(params.structured)     # a grammar the library rejects: RequestRejected, nothing queued
+        if params.structured is not None and self.runner.sampler.grammars is None:
+            raise RequestRejected("structured output needs the model's tokenizer, and this model has none",
+                                  params.structured.param)
+        vocab = self.loaded.arch.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise RequestRejected(f"token ids must be in [0, {vocab})", "prompt")
+        request_id = request_id or f"req-{next(self._ids)}"
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        num_samples = params.num_samples
+        samples = [Request(request_id if num_samples == 1 else f"{request_id}/{index}", token_ids,
+                           params.for_sample(index) if num_samples > 1 else params, self.hasher,
+                           arrival_time=arrival, priority=priority, sample_index=index)
+                   for index in range(num_samples)]
+        if request_id in self._families or (num_samples > 1 and request_id in self._tracked):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if num_samples > 1:
+            family = SampleFamily(request_id, samples)
+            for sample in samples:
+                sample.family = family
+        self.scheduler.add_request(samples[0])
+        if num_samples > 1:
+            self._families[request_id] = [sample.request_id for sample in samples]
+        for sample in samples:
+            self._tracked[sample.request_id] = _Tracked(
+                sample, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop), request_id,
+                show_logprobs=params.logprobs is not None)
+        return samples[0]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to serve or transfers to settle; step() until this is False to reach rest."""
+        return self.scheduler.has_work
+
+    def map_kv_pages(self, max_bytes: int) -> bool:
+        """Map up to `max_bytes` of the device, then the host KV buffers' fresh pages (see
+        `PagedKVCache.map_pages`), for an idle engine; False once all are mapped."""
+        return any(cache.map_pages(max_bytes) for cache in self.runner.buffers.caches.values())
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        output = None
+        try:
+            output = self.scheduler.schedule()
+            self.stats.schedule_seconds += time.perf_counter() - started
+            if output.is_empty:
+                self.tiers.wait_for_transfers(timeout=0.005)    # only transfers are running: do not spin
+            if self.faults is not None and not output.is_empty:
+                self.faults.check("execute")
+            executed = time.perf_counter()
+            result = self.runner.execute(output)
+            self.stats.model_seconds += time.perf_counter() - executed
+            finished = self.scheduler.update(output, result.token_ids)
+            outputs = self._outputs(output, result, finished)
+        except Exception as exc:
+            return self._recover(exc, output)
+        self._account(output, started)
+        return outputs
+
+    def _recover(self, exc: Exception, output: SchedulerOutput | None) -> list[RequestOutput]:
+        """End the failed step's requests with an error, release what they held, and prove it."""
+        self.stats.step_failures += 1
+        requests = [chunk.request for chunk in output.chunks] if output is not None else self.scheduler.in_step
+        logger.error("engine step failed; ending its %d requests with an error: %r", len(requests), exc,
+                     exc_info=exc)
+        for request in dict.fromkeys(requests):
+            if not request.is_finished:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ERROR)
+        outputs = self._final_outputs()        # with the samples that ended with their leader
+        try:
+            self.scheduler.audit()
+        except AssertionError as audit_error:
+            self.stats.audit_failures += 1
+            logger.critical("audit failed after recovering from a failed step: %s", audit_error)
+            raise EngineDeadError(f"audit failed after a failed step ({exc!r}): {audit_error}") from audit_error
+        return outputs
+
+    def _outputs(self, output: SchedulerOutput, result: StepResult, finished: list[Request]) -> list[RequestOutput]:
+        """Detokenize the sampled tokens, apply stop strings, and describe each request's progress."""
+        done = {r.request_id for r in finished}
+        outputs = []
+        for request_id, token_id in result.token_ids.items():
+            tracked = self._tracked[request_id]
+            if request_id in result.logprobs:
+                tracked.logprobs.append(result.logprobs[request_id])
+                tracked.cumulative_logprob += result.logprobs[request_id].logprob
+            if tracked.detokenizer.add(token_id) is not None:     # a stop string: "stop", even at the length limit
+                if request_id in done:
+                    tracked.request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
+                    done.add(request_id)
+            outputs.append(self._output(tracked, [token_id]))
+        return outputs
+
+    def _output(self, tracked: _Tracked, new_token_ids: list[int]) -> RequestOutput:
+        request = tracked.request
+        finished = request.is_finished
+        shown = tracked.logprobs if tracked.show_logprobs else []
+        logprobs = shown[-len(new_token_ids):] if shown and new_token_ids else []
+        if finished:
+            del self._tracked[request.request_id]
+            if tracked.family_id in self._families and not any(
+                    rid in self._tracked for rid in self._families[tracked.family_id]):
+                del self._families[tracked.family_id]
+        return RequestOutput(tracked.family_id, new_token_ids, tracked.detokenizer.delta(final=finished),
+                             finished, request.status.finish_reason, request.num_prompt_tokens,
+                             max(0, request.num_cached_tokens), request.num_output_tokens, logprobs,
+                             request.first_scheduled_time, request.sample_index,
+                             tracked.cumulative_logprob if tracked.logprobs else None)
+
+    def _final_outputs(self) -> list[RequestOutput]:
+        """The last output of every tracked request that has finished (each is reported once)."""
+        return [self._output(tracked, []) for tracked in list(self._tracked.values()) if tracked.request.is_finished]
+
+    def _account(self, output: SchedulerOutput, started: float) -> None:
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - started
+        self.stats.generated_tokens += sum(chunk.sample + len(chunk.forks) for chunk in output.chunks)
+        step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses
+        for request in (r for chunk in output.chunks for r in (chunk.request, *chunk.forks)):
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = step_began
+        self.stats.prompt_tokens_computed += sum(
+            max(0, min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens) - chunk.start)
+            for chunk in output.chunks)
+        if self.config.audit_every_step:
+            try:
+                self.scheduler.audit()
+            except AssertionError:
+                self.stats.audit_failures += 1
+                raise
+
+    # ---- other transitions ----------------------------------------------------------------------
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """End a request (every sample of a family) in any state and release its blocks; the final
+        outputs of what was still running (none if the id is unknown or done)."""
+        for sample_id in self._families.get(request_id, [request_id]):
+            self.scheduler.finish(sample_id)
+        return self._final_outputs()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Abort what is left, write the cache to the store (`persist`), let transfers settle (up to
+        `timeout` s in all), and close the store."""
+        for request_id in list(self._tracked):
+            self.abort(request_id)
+        deadline = time.monotonic() + timeout
+        while (self.tiers.persist() or self.tiers.has_transfers) and time.monotonic() < deadline:
+            self.step()
+        if self.tiers.num_unpersisted:
+            logger.warning("%d cached blocks were not written to the store within %.0fs",
+                           self.tiers.num_unpersisted, timeout)
+        if self.store is not None:
+            self.store.close()
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; one combined output per prompt and returned sample (n of them,
+        the best by cumulative logprob when best_of > n), in prompt order, then index order."""
+        params = params or SamplingParams()
+        requests = [self.add_request(p, params) for p in prompts]
+        ids = [r.family.family_id if r.family is not None else r.request_id for r in requests]
+        collected: dict[tuple[str, int], list[RequestOutput]] = {}
+        while self.has_unfinished:
+            for out in self.step():
+                collected.setdefault((out.request_id, out.index), []).append(out)
+        return [out for rid in ids for out in best_samples(
+            [_combine(collected[(rid, index)]) for index in range(params.num_samples)], params.n)]
+
+
+def resolve_max_model_len(asked: int | None, arch: ModelArch) -> int:
+    """The context length to enforce: the model's `max_position_embeddings` unless asked for less.
+
+    Longer is refused: the rotary tables stop there, and a RoPE-scaled checkpoint (linear, llama3)
+    already states its extended context in that field."""
+    limit = arch.max_position_embeddings
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(f"max_model_len {asked} is longer than the model's context ({limit} tokens, its "
+                         f"max_position_embeddings); use --max-model-len {limit} or less")
+    return asked
+
+
+def _combine(parts: list[RequestOutput]) -> RequestOutput:
+    last = parts[-1]
+    return RequestOutput(last.request_id, [t for p in parts for t in p.new_token_ids], "".join(p.text for p in parts),
+                         last.finished, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens,
+                         last.num_output_tokens, [lp for p in parts for lp in p.logprobs],
+                         last.first_scheduled_time, last.index, last.cumulative_logprob)
+
+
+class AsyncLLMEngine:
+    """Serves many callers from one engine thread.
+
+    `generate()` is an async iterator of outputs; leaving it early (a client disconnects, the task
+    is cancelled) aborts the request, and the engine thread releases its blocks before its next step.
+
+    Give it a function that builds the engine, not a built engine, and the model loads on the
+    engine thread (`kvstrata serve` does). Why: OpenMP gives each thread that runs a parallel
+    region its own team of workers, and once the teams hold more threads than the machine has
+    CPUs, libgomp stops spin-waiting between regions: every parallel op then pays a futex wake-up.
+    Loading runs parallel regions; loaded on the main thread and stepped here, the served
+    shared-prefix workload's TPOT p50 was 26.6 ms, loaded here 19.8 ms (bf16, 2 threads, 2 cores).
+    The price of spinning: the engine wants its cores to itself (see the README).
+    """
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]):
+        self._build = None if isinstance(engine, LLMEngine) else engine
+        self.engine: LLMEngine = engine if self._build is None else None    # else built by start()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._unfinished_samples: dict[str, int] = {}      # per stream: samples still running
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+
+    def start(self) -> AsyncLLMEngine:
+        """Start the engine thread; with a builder, return once it has built the engine (or raise what
+        building raised)."""
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="kvstrata-engine", daemon=True)
+        self._thread.start()
+        built.wait()
+        if self.engine is None:
+            raise self.error
+        return self
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs as steps produce them (a family's samples interleaved,
+        told apart by `index`), until every sample finished. ValueError if it cannot run."""
+        if self.error is not None or self._stop.is_set():
+            raise RuntimeError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"async-{next(self._ids)}"
+        admitted: asyncio.Future = loop.create_future()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._send(("add", (prompt, params, request_id, priority), admitted, (loop, outputs)))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)     # queued after the add, so it cannot be overtaken
+            raise
+        unfinished = (params or SamplingParams()).num_samples
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                unfinished -= out.finished
+                finished = not unfinished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id, None, None))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Let running requests finish for up to `timeout` seconds, abort the rest, stop the thread."""
+        assert self._thread is not None, "shutdown() of an engine never started"
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        self._send(("abort_all", None, None, None))
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self.engine.close()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self, built: threading.Event) -> None:
+        try:
+            if self.engine is None:
+                self.engine = self._build()
+        except BaseException as exc:           # raised again by start(), on the caller's thread
+            self.error = exc
+            return
+        finally:
+            built.set()
+        try:
+            while True:
+                self._drain_commands()
+                if self._stop.is_set():
+                    return
+                if self.engine.has_work:
+                    for out in self.engine.step():
+                        self._deliver(out)
+                elif self.engine.tiers.persist(PERSIST_BATCH) or self.engine.map_kv_pages(MAP_CHUNK_BYTES):
+                    continue                # idle: a few blocks to the store or KV pages mapped, then look again
+                else:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as exc:   # the engine is unusable (EngineDeadError): fail every caller, do not hang them
+            logger.critical("engine stopped; failing %d requests", len(self._streams), exc_info=exc)
+            self.error = exc
+            for loop, stream in self._streams.values():
+                _post(loop, stream.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
+            self._streams.clear()
+            self._unfinished_samples.clear()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload, future, stream = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(payload, future, stream)
+            elif kind == "abort":
+                for out in self.engine.abort(payload):
+                    self._deliver(out)
+            elif kind == "abort_all":
+                for request_id in list(self._streams):
+                    for out in self.engine.abort(request_id):
+                        self._deliver(out)
+
+    def _add(self, payload: tuple, future: asyncio.Future, stream: tuple) -> None:
+        loop, _ = stream
+        prompt, params, request_id, priority = payload
+        try:
+            self.engine.add_request(prompt, params, request_id, priority)
+        except Exception as exc:      # a bad request: its caller gets the error, the engine goes on
+            _post(loop, _settle, future, exc)
+            return
+        self._streams[request_id] = stream
+        self._unfinished_samples[request_id] = (params or SamplingParams()).num_samples
+        _post(loop, _settle, future, None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._streams.get(out.request_id)
+        if target is None:
+            return
+        if out.finished:
+            self._unfinished_samples[out.request_id] -= 1
+            if not self._unfinished_samples[out.request_id]:
+                del self._streams[out.request_id], self._unfinished_samples[out.request_id]
+        _post(target[0], target[1].put_nowait, out)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Run `callback` on the caller's loop; a caller whose loop has closed is gone, so drop it."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        logger.debug("dropping an output for a closed event loop")
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

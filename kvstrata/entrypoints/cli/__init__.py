@@ -1,0 +1,1 @@
+"""The `kvstrata` commands: generate, serve, router, simulate, calibrate, bench."""

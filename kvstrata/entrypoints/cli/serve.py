@@ -1,0 +1,79 @@
+"""`kvstrata serve`: the OpenAI-compatible server over one engine, and the uvicorn server both
+`serve` and `router` run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import time
+
+from kvstrata.core.config import ServerConfig
+from kvstrata.entrypoints.flags import (
+    add_engine_flags,
+    add_section_flags,
+    engine_config,
+)
+
+
+def add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model (vllm serve MODEL)")
+    add_section_flags(parser, "server", ServerConfig)
+    add_engine_flags(parser)
+    parser.set_defaults(run=run_serve, default_log_level="INFO")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvstrata.engine.llm_engine import AsyncLLMEngine, LLMEngine
+    from kvstrata.entrypoints.openai.server import create_app
+    from kvstrata.kvcache.faults import ENV_VAR, FaultInjector
+
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise ValueError(f"two models given: {args.model_arg} and --model {args.model}")
+        args.model = args.model_arg
+    server = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}).validate()
+    started = time.monotonic()
+    faults = FaultInjector.from_env()
+    if faults is not None:
+        logging.getLogger("kvstrata").warning("%s is set: injecting faults %s", ENV_VAR, faults.every)
+    engine_settings = engine_config(args)
+    # Loaded on the engine thread, so one OpenMP team runs every step (see AsyncLLMEngine).
+    async_engine = AsyncLLMEngine(lambda: LLMEngine(engine_settings, faults=faults)).start()
+    engine = async_engine.engine
+    name = server.served_model_name or engine.loaded.name
+    app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins)
+    # uvicorn stops accepting on SIGTERM/SIGINT, lets open requests run for shutdown_timeout seconds,
+    # then cancels them (which aborts their requests); what is left is aborted below. Once done it
+    # re-raises the signal into the handlers it found: these, so the process goes on to exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=server.shutdown_timeout, access_log=False)
+    ready_server(config, f"serving {name} on http://{server.host}:{server.port} (OpenAI API under /v1), "
+                        f"ready {time.monotonic() - started:.1f}s after loading began").run()
+    log = logging.getLogger("kvstrata")
+    log.info("shutting down: %d requests in flight", async_engine.num_unfinished)
+    async_engine.shutdown()
+    stats = engine.tiers.stats
+    log.info("stopped: %d steps, %d prompt tokens (%d from cache), %d tokens generated; %d blocks written to "
+             "the store, %d not", engine.stats.steps, stats.prompt_tokens, sum(stats.hit_tokens.values()),
+             engine.stats.generated_tokens, stats.offloaded_blocks["store"], engine.tiers.num_unpersisted)
+    return 0
+
+
+def ready_server(config, ready_line: str):
+    """A uvicorn server that logs `ready_line` once its socket accepts connections, not before."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                logging.getLogger("kvstrata").warning("%s", ready_line)
+
+    return _Server(config)

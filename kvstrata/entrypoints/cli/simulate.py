@@ -1,0 +1,306 @@
+"""`kvstrata simulate` and `kvstrata calibrate`: the simulator's command line, sweeps and plots.
+
+    kvstrata simulate --trace T --output-json out.json                       one engine, H100 roofline
+    kvstrata simulate --trace T --instances 16 --router kv_aware --host-cache-tokens 8M \\
+                      --store-cache-tokens inf --output-json fleet.json
+    kvstrata simulate --trace T --sweep host_cache_tokens=0,1M,4M,inf --plot docs/ --output-json sweep.json
+    kvstrata calibrate --output benchmarks/profiles/cpu-2core-smollm2.json        fit a profile on this machine
+    kvstrata simulate --validate --slice sessions --repeat 2 --trace T        engine vs simulator, three loads
+    kvstrata calibrate --trace T --fit-slices plain                           fit a slice too (then refused)
+
+Only this module and `cli.py` print; the simulator itself returns figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from kvstrata.core.config import POLICIES, WRITE_POLICIES, parse_size
+from kvstrata.sim.cost_model import HARDWARE, MODELS, CostModel, roofline
+from kvstrata.sim.routing import ROUTERS
+from kvstrata.sim.simulator import SimConfig, SimResult, Simulator
+from kvstrata.sim.traces import read_mooncake
+
+CAPACITIES = ("device_cache_tokens", "host_cache_tokens", "store_cache_tokens")
+DEFAULT_PROFILE = Path("benchmarks/profiles/cpu-2core-smollm2.json")
+FROM_PROFILE = -1       # --device-cache-tokens default: what the profile's hardware holds
+OVERLOAD_FACTOR = 1.25  # a run this much longer than its arrivals' span was limited by the fleet, not by arrivals
+
+
+def tokens(text: str) -> int | None:
+    """'inf' -> None (unbounded); '8M' -> 8000000; '65536' -> 65536."""
+    return None if text.strip().lower() in ("inf", "unbounded") else parse_size(text)
+
+
+# ---- simulate -----------------------------------------------------------------------------------
+def add_simulate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("simulate", help="replay a trace through the real scheduler and tiers "
+                                                  "on a virtual clock")
+    trace = parser.add_argument_group("trace")
+    trace.add_argument("--trace", required=True, help="Mooncake-format jsonl (timestamp, input_length, "
+                                                      "output_length, hash_ids)")
+    trace.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    trace.add_argument("--skip", type=int, default=None, help="start after the first N requests (default 0; "
+                                                               "the slice's own with --validate)")
+    trace.add_argument("--time-scale", type=float, default=None,
+                       help="multiply arrival times (2: half the rate; default 1, or fitted to the engine "
+                            "with --validate)")
+    trace.add_argument("--max-input-tokens", type=int, default=None, help="cut longer prompts (keeps their prefix)")
+    trace.add_argument("--max-output-tokens", type=int, default=None, help="cut longer outputs")
+    engine = parser.add_argument_group("engines")
+    engine.add_argument("--block-size", type=int, default=None,
+                        help="engine block size, a power of two dividing 512 (default 512; 16 with --validate)")
+    engine.add_argument("--device-cache-tokens", type=tokens, default=FROM_PROFILE,
+                        help="device KV tokens per engine, or inf (default: what the hardware holds "
+                             "beside the weights, from the profile)")
+    engine.add_argument("--host-cache-tokens", type=tokens, default=0, help="host KV tokens per engine, "
+                                                                          "inf, or 0 (none)")
+    engine.add_argument("--store-cache-tokens", type=tokens, default=0, help="store KV tokens shared by all "
+                                                                           "engines, inf, or 0 (none)")
+    engine.add_argument("--instances", type=int, default=1, help="engines in the fleet")
+    engine.add_argument("--router", default="round_robin", choices=list(ROUTERS))
+    engine.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"requests running at once per engine (default {SimConfig.max_num_seqs})")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help=f"token budget of a step (default {SimConfig.max_num_batched_tokens})")
+    engine.add_argument("--policy", default="fcfs", choices=POLICIES)
+    engine.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
+    engine.add_argument("--store-timeout", type=float, default=SimConfig.store_timeout)
+    cost = parser.add_argument_group("cost model").add_mutually_exclusive_group()
+    cost.add_argument("--profile", type=Path, default=None, help="a JSON profile from `kvstrata calibrate`")
+    cost.add_argument("--hardware", choices=list(HARDWARE), default=None,
+                      help="a roofline profile of this hardware (default: h100)")
+    parser.add_argument("--model", choices=list(MODELS), default="llama3-8b", help="model size for --hardware")
+    out = parser.add_argument_group("output")
+    out.add_argument("--audit", action="store_true", help="audit every engine after every simulated step")
+    out.add_argument("--output-json", type=Path, default=None, help="also write the figures here, as JSON")
+    out.add_argument("--plot", type=Path, default=None, help="write PNG plots into this folder")
+    out.add_argument("--sweep", default=None, metavar="PARAM=A,B,C",
+                     help=f"run once per value of one capacity ({', '.join(CAPACITIES)})")
+    out.add_argument("--validate", action="store_true",
+                     help="replay a slice on the real engine and in the simulator at three loads (or at "
+                          "--time-scale); print the figures and relative errors")
+    out.add_argument("--slice", default="plain", choices=("plain", "sessions"),
+                     help="--validate: the slice (plain: a real slice, device cache only; sessions: chat "
+                          "sessions shrunk to 32 tokens per hash id, host tier and disk store on)")
+    out.add_argument("--repeat", type=int, default=1, help="--validate: engine replays per load (the spread is noise)")
+    add_engine_timing(out)
+    parser.set_defaults(run=run_simulate)
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    if args.profile is not None:
+        return CostModel.load(args.profile)
+    return roofline(args.hardware or "h100", args.model)
+
+
+def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
+    device = args.device_cache_tokens
+    if device == FROM_PROFILE:
+        if cost.device_cache_tokens is None:
+            raise ValueError("this profile does not say how much KV the device holds; pass --device-cache-tokens")
+        device = cost.device_cache_tokens
+    defaults = SimConfig()
+    return SimConfig(block_size=args.block_size or defaults.block_size, device_cache_tokens=device,
+                     host_cache_tokens=args.host_cache_tokens, store_cache_tokens=args.store_cache_tokens,
+                     instances=args.instances, router=args.router,
+                     max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
+                     policy=args.policy, write_policy=args.write_policy, store_timeout=args.store_timeout,
+                     audit=args.audit).validate()
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    if args.validate:
+        return run_validation(args)
+    trace = read_mooncake(args.trace, args.max_requests, args.skip or 0, args.time_scale or 1.0, args.max_input_tokens,
+                          args.max_output_tokens)
+    cost = cost_model(args)
+    elsewhere = cost.other_machine()
+    if elsewhere:
+        # Capacity planning for the machine a profile came from is a fine use: say so, do not refuse.
+        print(f"note: {elsewhere}; the figures below are for that machine (`kvstrata calibrate` fits one for this)")
+    base = sim_config(args, cost)
+    if args.sweep is None:
+        result = simulate(trace, base, cost)
+        report = result.to_json()
+        results = [(None, result)]
+    else:
+        name, values = parse_sweep(args.sweep)
+        results = [(value, simulate(trace, dataclasses.replace(base, **{name: value}), cost, f"{name}={value}"))
+                   for value in values]
+        report = {"sweep": {"parameter": name, "values": values}, "ideal_hit_rate": results[0][1].ideal_hit_rate,
+                  "profile": cost.source, "runs": [r.to_json() for _, r in results]}
+    write_json(args.output_json, report)
+    labels = [""] if args.sweep is None else [f"{name}={'inf' if v is None else f'{v:,}'}" for v, _ in results]
+    for label, (_, result) in zip(labels, results):
+        print(headline(result.to_json(), f"{label}: " if label else ""))
+        warning = overload_warning(trace, result.to_json(), result.config.instances)
+        if warning:
+            print(f"{label + ': ' if label else ''}{warning}")
+    if args.plot is not None:
+        from kvstrata.sim.plots import plot_hit_rate, plot_ttft_cdf
+        paths = [plot_ttft_cdf([r for _, r in results], labels, args.plot / "ttft_cdf.png")]
+        if args.sweep is not None:
+            paths.append(plot_hit_rate(report["runs"], name, values, args.plot / f"hit_rate_vs_{name}.png"))
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def run_validation(args: argparse.Namespace) -> int:
+    """`--validate`: a slice at three loads (or one --time-scale), on the real engine and in the simulator."""
+    from kvstrata.calibration.validation import SLICES, validate
+
+    cost = CostModel.load(args.profile or DEFAULT_PROFILE)
+    elsewhere = cost.other_machine()
+    if elsewhere:
+        raise ValueError(f"{elsewhere}. Validation times the real engine here against the profile: calibrate on "
+                         f"this machine first (`kvstrata calibrate --output my-profile.json`, ~10 min) and pass "
+                         f"--profile my-profile.json")
+    chosen = SLICES[args.slice]
+    overrides = {"skip": args.skip, "requests": args.max_requests, "max_input_tokens": args.max_input_tokens,
+                 "max_output_tokens": args.max_output_tokens}
+    chosen = dataclasses.replace(chosen, **{k: v for k, v in overrides.items() if v is not None})
+    scales = None if args.time_scale is None else {"given": args.time_scale}
+    print(f"validating slice {chosen.name!r} with {cost.source}")
+    report = validate(args.trace, chosen, cost, args.threads, args.clock, time_scales=scales, repeat=args.repeat,
+                      max_num_seqs=args.max_num_seqs or 32)
+    print(validation_table(report))
+    write_json(args.output_json, report)
+    return 0
+
+
+def validation_table(report: dict) -> str:
+    """One block per load: each figure's engine value(s), the simulator's, and the error(s)."""
+    lines = [f"{report['requests']} requests, steps timed by {report['clock']}"]
+    for level, data in report["levels"].items():
+        runs = data["engine_runs"]
+        loads = "; ".join(f"{r['loadavg_before'][0]:.2f}->{r['loadavg_after'][0]:.2f}" for r in runs)
+        speed = ", ".join("n/a" if r["speed_ratio"] is None else f"{r['speed_ratio']:.3f}" for r in runs)
+        steps = [r["step_seconds"] for r in runs]
+        busy = ", ".join(f"{r['busy_share']:.0%}" for r in runs)
+        same = ", ".join(f"engine {s['engine']:.1f}s profile {s['profile']:.1f}s ({s['profile'] / s['engine'] - 1:+.1%})"
+                         for s in steps if s["engine"])
+        lines.append(f"\n{level}: time scale {data['time_scale']:.4g}, engine busy {busy}, loadavg (1 min) {loads}, "
+                     f"probe vs calibration {speed}; the same batches: {same}")
+        kinds = runs[0]["step_kinds"]
+        lines.append("  steps of the first run, profile against engine: " + "; ".join(
+            f"{kind} {k['steps']}x {k['profile_s'] / k['engine_s'] - 1:+.1%}" for kind, k in kinds.items() if k["engine_s"]))
+        lines.append(f"{'':20}{'engine':>26}{'simulator':>11}{'error':>20}")
+        for name, row in data["figures"].items():
+            engine = " ".join(f"{v:.4f}" for v in row["engine"])
+            errors = " ".join("n/a" if e is None else f"{e:+.1%}" for e in row["relative_error"])
+            lines.append(f"{name:20}{engine:>26}{row['simulator']:11.4f}{errors:>20}")
+    return "\n".join(lines)
+
+
+def overload_warning(trace, report: dict, instances: int) -> str | None:
+    """A warning when arrivals outran the fleet: the run lasted well past the arrivals' span and the
+    median request waited a tenth of that span for its first token, so TTFT measures the queue."""
+    span = trace[-1].arrival - trace[0].arrival if trace else 0.0
+    factor = report["simulated_s"] / span if span > 0 else 0.0
+    if factor < OVERLOAD_FACTOR or report["ttft_s"]["p50"] < 0.1 * span:
+        return None
+    return (f"warning: arrivals exceed what {instances} engine{'s' if instances > 1 else ''} can serve: the run "
+            f"lasted {report['simulated_s']:,.0f} s for {span:,.0f} s of arrivals ({factor:.1f}x), so TTFT mostly "
+            f"measures the queue; try --instances {min(math.ceil(instances * factor), len(trace))} (or --time-scale "
+            f"{factor:.1f} for this fleet at a rate it sustains)")
+
+
+def write_json(path: Path | None, report: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def parse_sweep(text: str) -> tuple[str, list[int | None]]:
+    name, _, values = text.partition("=")
+    name = name.strip().replace("-", "_").removeprefix("__")
+    if name not in CAPACITIES or not values:
+        raise ValueError(f"--sweep takes PARAM=A,B,C with PARAM one of {', '.join(CAPACITIES)}, not {text!r}")
+    return name, [tokens(v) for v in values.split(",")]
+
+
+def simulate(trace, config: SimConfig, cost: CostModel, label: str = "") -> SimResult:
+    bar = Progress(label) if sys.stderr.isatty() else None
+    try:
+        return Simulator(trace, config, cost, progress=bar).run()
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def headline(report: dict, prefix: str = "") -> str:
+    hits = report["hit_rate"]
+    return (f"{prefix}{report['requests']} requests | hit rate {hits['total']:.3f} (device {hits['device']:.3f}, "
+            f"host {hits['host']:.3f}, store {hits['store']:.3f}; ideal {report['ideal_hit_rate']:.3f}) | "
+            f"TTFT p50 {report['ttft_s']['p50']:.3f}s p90 {report['ttft_s']['p90']:.3f}s | TPOT p50 "
+            f"{report['tpot_s']['p50'] * 1000:.1f}ms | {report['throughput_tok_s']:.0f} tok/s | "
+            f"{report['preemptions']} preemptions | {report['wall_s']:.1f}s wall")
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn at most 10 times a second."""
+
+    def __init__(self, label: str = ""):
+        self.label = label
+        self.started = time.perf_counter()
+        self._drawn = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self._drawn < 0.1 and done < total:
+            return
+        self._drawn = now
+        filled = math.floor(30 * done / total)
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} requests "
+                         f"{now - self.started:.0f}s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+# ---- calibrate ----------------------------------------------------------------------------------
+def add_engine_timing(group: argparse._ActionsContainer) -> None:
+    """How the real engine is run and timed: `calibrate` and `simulate --validate` must agree on both."""
+    group.add_argument("--threads", type=int, default=1,
+                       help="torch CPU threads of the real engine (default 1: steady on a shared machine)")
+    group.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                       help="time engine steps by the engine thread's CPU time (default: neighbours on a shared "
+                            "machine do not count) or by wall time")
+
+
+def add_calibrate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("calibrate", help="fit the simulator's cost model to the real engine on "
+                                                   "this machine")
+    parser.add_argument("--output", type=Path, default=DEFAULT_PROFILE, help="where to write the JSON profile")
+    parser.add_argument("--machine", default=None, help="how to name this machine in the profile "
+                                                        "(default: CPU model and core count)")
+    add_engine_timing(parser)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of the grid; each step keeps its median time")
+    parser.add_argument("--trace", type=Path, default=None, help="a Mooncake trace to fit --fit-slices of")
+    parser.add_argument("--fit-slices", default="", help="comma-separated validation slices (plain, sessions) to "
+                                                         "replay and fit too; validation then refuses them")
+    parser.set_defaults(run=run_calibrate)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from kvstrata.calibration.calibrate import calibrate
+    from kvstrata.calibration.validation import SLICES
+
+    slices = tuple(name for name in args.fit_slices.split(",") if name)
+    if set(slices) - set(SLICES):
+        raise ValueError(f"--fit-slices takes names of {', '.join(SLICES)}, not {args.fit_slices!r}")
+    calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock,
+                            trace=args.trace, slices=slices)
+    calibration.save(args.output)
+    print(calibration.report())
+    print(f"profile written to {args.output}: {calibration.model.source}")
+    return 0

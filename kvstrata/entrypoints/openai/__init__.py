@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API over an `AsyncLLMEngine`, and its Prometheus metrics."""

@@ -1,0 +1,179 @@
+"""Prometheus metrics: request outcomes and latencies, queue gauges, and KV blocks by tier and state.
+
+Latencies are observed by the server as responses stream. Engine-side figures (blocks per state,
+queue lengths, token counters) are read from the engine at scrape time by a collector, so a scrape
+always shows the books as they are, and `free + cached + used + in_flight == total` can be checked
+from outside. Each server has its own registry, so several can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstrata.core.request import RequestStatus
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.kvcache.block_pool import BlockState
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+def length_buckets(max_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_len` (vLLM's token-length buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_len:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
+
+
+class EngineCollector(Collector):
+    """Reads the engine's counters and pools when Prometheus scrapes."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        engine = self.engine
+        yield from self._vllm_style(engine)
+        scheduler = engine.scheduler
+        statuses = [r.status for r in list(scheduler.requests.values())]
+        requests = GaugeMetricFamily("kvstrata_requests", "Unfinished requests by state", labels=["state"])
+        for state, status in (("running", RequestStatus.RUNNING), ("loading", RequestStatus.LOADING)):
+            requests.add_metric([state], sum(s is status for s in statuses))
+        requests.add_metric(["waiting"], sum(s in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for s in statuses))
+        yield requests
+
+        blocks = GaugeMetricFamily("kvstrata_kv_blocks", "KV blocks by tier and state", labels=["tier", "state"])
+        for tier, counts in engine.tiers.counts().items():
+            for state in BlockState:
+                blocks.add_metric([tier, state.value], getattr(counts, state.value))
+        yield blocks
+
+        stats = engine.tiers.stats
+        prompt = CounterMetricFamily("kvstrata_prompt_tokens", "Prompt tokens by where their KV came from",
+                                     labels=["source"])
+        prompt.add_metric(["computed"], stats.prompt_tokens - sum(stats.hit_tokens.values()))
+        for tier, tokens in stats.hit_tokens.items():
+            prompt.add_metric([tier], tokens)
+        yield prompt
+        yield CounterMetricFamily("kvstrata_generation_tokens", "Tokens generated",
+                                  value=engine.stats.generated_tokens)
+        yield CounterMetricFamily("kvstrata_preemptions", "Requests preempted", value=scheduler.num_preemptions)
+        yield _by_label("kvstrata_evicted_blocks", "Cached blocks evicted, by tier", "tier", stats.evicted_blocks)
+        yield _by_label("kvstrata_offloaded_blocks", "Blocks copied down to a tier", "tier", stats.offloaded_blocks)
+        yield _by_label("kvstrata_loaded_blocks", "Blocks loaded up from a tier", "tier", stats.loaded_blocks)
+        yield _by_label("kvstrata_load_failures", "Store loads that fell back to recompute, by reason", "reason",
+                        stats.load_failures)
+        yield _by_label("kvstrata_store_errors", "Store operations that failed, by kind", "kind", stats.store_errors)
+        if engine.store is not None:      # a Redis Cluster's dead node costs misses, seen only here
+            yield _by_label("kvstrata_store_backend_errors", "Failed store calls as the store counts them (a "
+                            "cluster's per-node failures included), by kind", "kind", engine.store.stats().errors)
+        yield _by_label("kvstrata_transfer_faults", "KV copies, encodes and decodes that raised (their blocks are "
+                        "recomputed), by operation", "operation", stats.faults)
+        yield CounterMetricFamily("kvstrata_store_dropped_writes", "Store writes dropped (queue full)",
+                                  value=stats.dropped_writes)
+        yield CounterMetricFamily("kvstrata_store_load_seconds", "Seconds spent waiting for store loads",
+                                  value=stats.load_seconds)
+        yield CounterMetricFamily("kvstrata_audit_failures", "audit() failures", value=engine.stats.audit_failures)
+        yield CounterMetricFamily("kvstrata_step_failures", "Engine steps that raised (their requests ended with "
+                                  "an error, their blocks released)", value=engine.stats.step_failures)
+        yield CounterMetricFamily("kvstrata_engine_steps", "Engine steps", value=engine.stats.steps)
+        seconds = CounterMetricFamily("kvstrata_engine_step_seconds", "Seconds engine steps took, by part "
+                                      "(schedule: scheduling and admission; model: the model and the sampler; "
+                                      "rest: bookkeeping, caching, detokenizing)", labels=["part"])
+        run = engine.stats
+        for part, value in (("schedule", run.schedule_seconds), ("model", run.model_seconds),
+                            ("rest", run.step_seconds - run.schedule_seconds - run.model_seconds)):
+            seconds.add_metric([part], value)
+        yield seconds
+
+    def _vllm_style(self, engine: LLMEngine):
+        """The figures vLLM dashboards chart, under kvstrata names, labelled with the model."""
+        stats, labels, model = engine.tiers.stats, ["model_name"], [self.model_name]
+        queries = CounterMetricFamily("kvstrata_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache (at first admission)", labels=labels)
+        queries.add_metric(model, stats.prompt_tokens)
+        yield queries
+        hits = CounterMetricFamily("kvstrata_prefix_cache_hits", "Prompt tokens served from any cache tier",
+                                   labels=labels)
+        hits.add_metric(model, sum(stats.hit_tokens.values()))
+        yield hits
+        usage = GaugeMetricFamily("kvstrata_kv_cache_usage_perc", "Fraction of device KV blocks held by "
+                                  "requests or transfers (1 = full; cached blocks count as free)", labels=labels)
+        device = engine.tiers.device.counts()
+        usage.add_metric(model, (device.used + device.in_flight) / max(1, device.total))
+        yield usage
+
+
+def _by_label(name: str, documentation: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
+
+
+class ServerMetrics:
+    """Everything `/metrics` exports for one server. Request-level series carry a `model_name` label
+    (as vLLM's do); `process_*` and `python_*` are prometheus_client's standard collectors."""
+
+    def __init__(self, engine: LLMEngine, model_name: str = "model"):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        r, name = self.registry, ["model_name"]
+
+        def histogram(metric: str, doc: str, buckets) -> Histogram:
+            return Histogram(metric, doc, name, buckets=buckets, registry=r).labels(model_name)
+
+        self.requests = Counter("kvstrata_requests_finished", "Requests by outcome (rejected: refused with an "
+                                "error before any token)", ["model_name", "outcome"], registry=r)
+        self.model_name = model_name
+        self.ttft = histogram("kvstrata_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.tpot = histogram("kvstrata_time_per_output_token_seconds", "Time per output token after the first",
+                              LATENCY_BUCKETS)
+        self.e2e = histogram("kvstrata_e2e_request_latency_seconds", "End-to-end request latency", LATENCY_BUCKETS)
+        self.queue = histogram("kvstrata_request_queue_time_seconds", "Arrival to the first step that computes "
+                               "the request (includes store loads)", LATENCY_BUCKETS)
+        self.prefill = histogram("kvstrata_request_prefill_time_seconds", "First step that computes the request "
+                                 "to its first token", LATENCY_BUCKETS)
+        self.decode = histogram("kvstrata_request_decode_time_seconds", "First token to the end",
+                                LATENCY_BUCKETS)
+        max_len = engine.config.scheduler.max_model_len
+        self.prompt_len = histogram("kvstrata_request_prompt_tokens", "Prompt tokens per finished request",
+                                    length_buckets(max_len))
+        self.output_len = histogram("kvstrata_request_generation_tokens", "Generated tokens per finished "
+                                    "request", length_buckets(max_len))
+
+    def observe(self, outcome: str, arrival: float, first_token: float | None, end: float, num_output: int,
+                num_prompt: int | None = None, first_scheduled: float | None = None) -> None:
+        self.requests.labels(self.model_name, outcome).inc()
+        self.e2e.observe(end - arrival)
+        if num_prompt is not None:
+            self.prompt_len.observe(num_prompt)
+            self.output_len.observe(num_output)
+        if first_scheduled is not None:
+            self.queue.observe(max(0.0, first_scheduled - arrival))
+            if first_token is not None:
+                self.prefill.observe(max(0.0, first_token - first_scheduled))
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            self.decode.observe(end - first_token)
+            if num_output > 1:
+                self.tpot.observe((end - first_token) / (num_output - 1))
+
+    def rejected(self) -> None:
+        """A request refused with an error (bad input, unknown model, auth, full queue, too long)."""
+        self.requests.labels(self.model_name, "rejected").inc()

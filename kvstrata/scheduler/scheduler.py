@@ -1,0 +1,397 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+One token budget per step, no separate prefill and decode phases:
+
+  1. running requests first, best (priority, arrival) first: each gets its pending tokens
+     (a decode token, or the next prefill chunk). If its blocks cannot grow, the worst running
+     request is preempted (lowest priority, then latest arrival) until they can; the worst is
+     last in the order, so nothing already scheduled this step is ever taken back.
+  2. if nobody was preempted, waiting requests are admitted in policy order through
+     TierManager.plan / commit, until the budget, `max_num_seqs` or a refusal stops it
+     (head of line: a refused request is not overtaken).
+
+Preempted requests keep their full blocks CACHED, so resuming usually re-hits them, and they
+resume before any new request. A request that could never fit is refused at `add_request`.
+
+Families (n / best_of > 1, see `SampleFamily`): only the leader queues; its admission takes room
+for every sample, and the step that samples its first token forks the others, which run from then
+on as requests of their own. A family's samples rank side by side (index last), so preempting one
+preempts those of its samples not yet scheduled in the step; before the fork, the leader's
+preemption gives back the others' places too. Ending the leader before the fork ends them all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvstrata.core.config import SchedulerConfig
+from kvstrata.core.errors import RequestRejected
+from kvstrata.core.request import Request, RequestStatus
+from kvstrata.kvcache.tiers import TierManager
+
+logger = logging.getLogger(__name__)
+
+LPM_MAX_QUEUE = 128   # beyond this many waiting requests, lpm falls back to fcfs (matching is O(queue))
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request to compute in this step, and where their KV lives."""
+
+    request: Request
+    start: int                 # position of the first token (== tokens already in KV)
+    token_ids: list[int]
+    block_ids: list[int]       # the request's whole block table
+    sample: bool               # the chunk reaches the last token: its logits pick the next one
+    forks: tuple[Request, ...] = ()   # samples of the request's family that fork from these logits
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, tiers: TierManager, eos_token_ids: Iterable[int] = ()):
+        self.config = config
+        self.tiers = tiers
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}      # every request not yet finished
+        self.running: list[Request] = []
+        self.loading: list[Request] = []            # admitted, waiting for store loads to land
+        self._waiting: list[tuple] = []             # heap of (key, seq, request); stale entries skipped
+        self._waiting_key: dict[str, tuple] = {}    # request id -> its live heap key
+        self._seq = itertools.count()
+        self._arrival_order: dict[str, int] = {}    # tie-break for equal arrival times
+        self.num_preemptions = 0
+        self.in_step: list[Request] = []            # requests the last schedule() worked on (for recovery)
+
+    # ---- intake ---------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request (a family: its leader), or raise ValueError if it could never run to completion."""
+        max_len = self.config.max_model_len
+        samples = request.family.samples if request.family is not None else [request]
+        assert samples[0] is request, "a family is added through its leader"
+        for sample in samples:
+            if sample.request_id in self.requests:
+                raise ValueError(f"request id {sample.request_id!r} is already in use")
+        if len(samples) > self.config.max_num_seqs:
+            raise RequestRejected(f"{len(samples)} samples of one request cannot run at once: this server runs "
+                                  f"at most {self.config.max_num_seqs} sequences; lower n or best_of", "n")
+        if request.num_prompt_tokens >= max_len:
+            raise RequestRejected(f"the prompt has {request.num_prompt_tokens} tokens, but this server accepts "
+                                  f"at most {max_len} tokens per request and at least one must be generated",
+                                  "prompt")
+        if request.max_total_tokens > max_len:
+            raise RequestRejected(f"this server accepts at most {max_len} tokens per request; you asked for "
+                                  f"{request.max_total_tokens} ({request.num_prompt_tokens} in the prompt, "
+                                  f"{request.sampling.max_tokens} in the completion); lower max_tokens",
+                                  "max_tokens")
+        need = math.ceil((request.max_total_tokens - 1) / self.tiers.block_size)
+        shared = request.num_prompt_tokens // self.tiers.block_size
+        need += (len(samples) - 1) * (need - shared)     # the full prompt blocks are held once
+        if need > self.tiers.device.num_blocks:
+            raise RequestRejected(f"the request may need {need} KV blocks but the device cache holds only "
+                                  f"{self.tiers.device.num_blocks}; lower max_tokens (or n) or give the cache "
+                                  "more memory", "max_tokens")
+        order = next(self._seq)
+        for sample in samples:
+            sample.status = RequestStatus.AWAITING_FORK
+            self.requests[sample.request_id] = sample
+            self._arrival_order[sample.request_id] = order
+        request.status = RequestStatus.WAITING
+        self._enqueue(request)
+
+    def _rank(self, request: Request) -> tuple:
+        """Best first: lower priority value (under the priority policy), then earlier arrival; a
+        family's samples share everything but their index, so they sit together."""
+        priority = request.priority if self.config.policy == "priority" else 0
+        return priority, request.arrival_time, self._arrival_order[request.request_id], request.sample_index
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences counted against max_num_seqs: running, loading, and samples waiting to fork."""
+        return len(self.running) + len(self.loading) + self.tiers.num_pending_forks
+
+    def _enqueue(self, request: Request) -> None:
+        key = (request.status is not RequestStatus.PREEMPTED, *self._rank(request), next(self._seq))
+        self._waiting_key[request.request_id] = key
+        heapq.heappush(self._waiting, (key, request))
+        self.tiers.prepare(request)                 # start its store lookup now, not at the queue's head
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_key)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to serve, or transfers to settle (a load outliving its aborted request)."""
+        return bool(self.requests) or self.tiers.has_transfers
+
+    def waiting_requests(self) -> list[Request]:
+        """Waiting requests in the order they would be admitted."""
+        return [request for key, request in sorted(self._waiting)
+                if self._waiting_key.get(request.request_id) == key]
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """The next step's chunks. If this raises, `in_step` names the requests it was working on."""
+        self.in_step = []
+        for request in self.tiers.poll_loads():
+            self.loading.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        self.running.sort(key=self._rank)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            self.in_step.append(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            while not self.tiers.grow(request, num_new):
+                for victim in self._victims(index):
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                if request.status is not RequestStatus.RUNNING:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+        if not preempted:
+            budget = self._admit(budget, chunks)
+        self.tiers.on_step(nonempty=bool(chunks))
+        return SchedulerOutput(chunks, preempted)
+
+    def _victims(self, index: int) -> list[Request]:
+        """The worst running request, with the samples of its family not yet scheduled in this step
+        (from `index` on), last first."""
+        worst = self.running[-1]
+        if worst.family is None:
+            return [worst]
+        return [r for r in reversed(self.running[index:]) if r.family is worst.family]
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        deferred: list[Request] = []        # waiting for blocks another request is computing now
+        try:
+            return self._admit_in_order(budget, chunks, deferred)
+        finally:                            # even if a commit raised: the passed-over requests still wait
+            for request in deferred:
+                self._enqueue(request)
+
+    def _admit_in_order(self, budget: int, chunks: list[ScheduledChunk], deferred: list[Request]) -> int:
+        whole = not self.config.enable_chunked_prefill
+        for request in self._admission_order():
+            seats = 1 + (len(request.family.pending) if request.family is not None else 0)
+            if budget <= 0 or self.num_seats + seats > self.config.max_num_seqs:
+                break
+            if not self.tiers.prepare(request):
+                break                               # its store lookup has not answered yet
+            plan = self.tiers.plan(request, budget, whole=whole)
+            if plan is None:
+                if not self.tiers.waits_for_computing(request):
+                    break                           # head of line: refused for space, not overtaken
+                deferred.append(request)            # it will hit blocks being computed now: others pass
+                del self._waiting_key[request.request_id]
+                continue
+            self.in_step.append(request)
+            self.tiers.commit(plan)                 # all or nothing: on an exception the request still waits
+            del self._waiting_key[request.request_id]
+            if self.tiers.is_loading(request.request_id):     # computes once its loads land (poll_loads)
+                request.status = RequestStatus.LOADING
+                self.loading.append(request)
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, plan.num_new_tokens))
+            budget -= plan.num_new_tokens
+        return budget
+
+    def _admission_order(self) -> Iterable[Request]:
+        """Waiting requests in policy order: resumed first; then fcfs, priority, or longest cached prefix."""
+        if self.config.policy == "lpm" and self.num_waiting <= LPM_MAX_QUEUE:
+            waiting = self.waiting_requests()
+            cached = {r.request_id: self.tiers.cached_prefix_tokens(r) for r in waiting}
+            return sorted(waiting, key=lambda r: (r.status is not RequestStatus.PREEMPTED,
+                                                  -cached[r.request_id], *self._rank(r)))
+        return self._heap_order()
+
+    def _heap_order(self) -> Iterable[Request]:
+        """The live head of the waiting heap, again and again; stale entries are dropped on the way.
+
+        The consumer must admit (retire) each request it is given or stop iterating.
+        """
+        while self._waiting:
+            key, request = self._waiting[0]
+            if self._waiting_key.get(request.request_id) != key:
+                heapq.heappop(self._waiting)
+                continue
+            yield request
+            assert self._waiting_key.get(request.request_id) != key, "heap head neither admitted nor refused"
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
+        forks = tuple(request.family.pending) if sample and request.family is not None else ()
+        return ScheduledChunk(request, start, request.token_ids[start:start + num_new],
+                              self.tiers.block_ids(request.request_id), sample=sample, forks=forks)
+
+    # ---- after the step -------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Record what the step computed and sampled; return the requests that finished."""
+        finished = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.is_finished:        # aborted after it was scheduled
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.sample:
+                request.append_output(sampled[request.request_id])
+            self.tiers.cache_full_blocks(request)   # after the ledger: its copies fail without raising
+            samples = [request] + self._fork(chunk, sampled)
+            for sample in samples if chunk.sample else ():
+                status = self._stop_status(sample)
+                if status is not None:
+                    self._finish(sample, status)
+                    finished.append(sample)
+        return finished
+
+    def _fork(self, chunk: ScheduledChunk, sampled: Mapping[str, int]) -> list[Request]:
+        """After the leader's last prompt token: its waiting samples take the prompt's blocks and
+        their own first token, and run."""
+        forked = [sample for sample in chunk.forks if not sample.is_finished]
+        for sample in forked:
+            self.tiers.fork(chunk.request, sample)
+            sample.num_cached_tokens = chunk.request.num_cached_tokens
+            sample.append_output(sampled[sample.request_id])
+            sample.status = RequestStatus.RUNNING
+            self.running.append(sample)
+        if chunk.forks:          # last: if a fork raised, ending the leader still ends every sample
+            chunk.request.family.forked = True
+        return forked
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        params = request.sampling
+        token = request.token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens and (
+                token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- other transitions ----------------------------------------------------------------------
+    def finish(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        """End a request in any state (abort, or a stop string the engine found); release its blocks."""
+        assert status.is_finished, f"{status.name} is not a final status"
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, status)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.family is not None and request is request.family.leader:
+            for sample in request.family.pending:       # before the fork, the leader's end is theirs
+                self._finish(sample, status)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.LOADING:
+            self.loading.remove(request)
+        self._waiting_key.pop(request.request_id, None)
+        self.tiers.release(request)
+        request.status = status
+        del self.requests[request.request_id]
+        del self._arrival_order[request.request_id]
+
+    def preempt(self, request_id: str) -> bool:
+        """Preempt a running or loading request now, with the samples of its family (operators and
+        tests); False if it is neither running nor loading."""
+        request = self.requests.get(request_id)
+        active = (RequestStatus.RUNNING, RequestStatus.LOADING)
+        if request is None or request.status not in active:
+            return False
+        for sample in request.family.samples if request.family is not None else [request]:
+            if sample.status in active:
+                self._preempt(sample)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Release the request's blocks (full ones stay CACHED) and queue it to resume first."""
+        logger.info("preempting %s: %d tokens computed, %d full blocks stay cached",
+                    request.request_id, request.num_computed_tokens,
+                    request.num_computed_tokens // self.tiers.block_size)
+        (self.running if request.status is RequestStatus.RUNNING else self.loading).remove(request)
+        self.tiers.release(request)
+        self.tiers.reservation.on_preemption()
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def set_priority(self, request_id: str, priority: int) -> None:
+        """Change a request's priority (a family's: all its samples', so they keep ranking together)."""
+        request = self.requests[request_id]
+        for sample in request.family.samples if request.family is not None else [request]:
+            sample.priority = priority
+            if sample.request_id in self._waiting_key:
+                self._enqueue(sample)     # the old heap entry goes stale
+        if len(self._waiting) > 2 * len(self._waiting_key) + 64:
+            self._waiting = [(k, r) for k, r in self._waiting if self._waiting_key.get(r.request_id) == k]
+            heapq.heapify(self._waiting)
+
+    # ---- audit ----------------------------------------------------------------------------------
+    def audit(self) -> None:
+        """Queues agree with statuses, limits hold, and the tiers' own audit passes."""
+        running_ids = {r.request_id for r in self.running}
+        loading_ids = {r.request_id for r in self.loading}
+        assert len(running_ids) == len(self.running), "a request is listed twice in running"
+        assert len(loading_ids) == len(self.loading), "a request is listed twice in loading"
+        assert self.num_seats <= self.config.max_num_seqs, "more than max_num_seqs admitted"
+        assert running_ids.isdisjoint(self._waiting_key) and loading_ids.isdisjoint(self._waiting_key) \
+            and running_ids.isdisjoint(loading_ids), "a request is in two queues"
+        for request_id, request in self.requests.items():
+            assert not request.is_finished, f"finished request {request_id} still tracked"
+            running = request.status is RequestStatus.RUNNING
+            loading = request.status is RequestStatus.LOADING
+            assert running == (request_id in running_ids), f"{request_id} is {request.status.name}"
+            assert loading == (request_id in loading_ids) == self.tiers.is_loading(request_id), \
+                f"{request_id} is {request.status.name} but its load says otherwise"
+            assert (running or loading) == self.tiers.holds(request_id), f"{request_id} blocks disagree with status"
+            awaiting = request.status is RequestStatus.AWAITING_FORK
+            if awaiting:
+                leader = request.family.leader
+                assert not request.family.forked and self.requests.get(leader.request_id) is leader, \
+                    f"{request_id} waits to fork from {leader.request_id}, which is gone or forked"
+                assert self.tiers.has_fork(request_id) == self.tiers.holds(leader.request_id), \
+                    f"{request_id} has a place exactly while its leader {leader.request_id} holds blocks"
+            assert running or loading or awaiting or request_id in self._waiting_key, f"{request_id} is in no queue"
+        assert set(self._waiting_key) <= set(self.requests), "an unknown request is waiting"
+        self.tiers.audit()

@@ -1,0 +1,1 @@
+"""Structured output (grammars and token masks) and tool calls (rendering and parsing)."""

@@ -1,0 +1,121 @@
+"""`ModelRunner`: SchedulerOutput -> ForwardBatch -> logits -> sampled tokens.
+
+The runner owns the device tier's physical KV (`PagedKVCache`) and sizes it from the
+`kv_cache_memory` budget; that capacity is returned as a value (`num_device_blocks`) for the
+tier manager to build its pool from, never written back into config.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstrata.core.config import CacheConfig
+from kvstrata.core.outputs import TokenLogprob
+from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
+from kvstrata.kvcache.mover import TierBuffers, host_cache
+from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
+from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
+from kvstrata.model.loader import LoadedModel
+from kvstrata.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+from kvstrata.structured.grammar import GrammarMasker
+from kvstrata.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+def device_blocks_for(config: CacheConfig, spec: KVCacheSpec) -> int:
+    """Blocks of the device tier: the exact override, or as many as fit in `kv_cache_memory`."""
+    if config.num_device_blocks is not None:
+        return config.num_device_blocks
+    blocks = PagedKVCache.blocks_for_budget(spec, config.kv_cache_memory)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory of {config.kv_cache_memory} bytes holds no block; one block of "
+                         f"{config.block_size} tokens takes {spec.bytes_per_block} bytes")
+    return blocks
+
+
+def host_blocks_for(config: CacheConfig, spec: KVCacheSpec) -> int:
+    """Blocks of the host tier (0: none): the exact override, or what fits in `host_cache_memory`."""
+    if config.num_host_blocks is not None:
+        return config.num_host_blocks
+    return PagedKVCache.blocks_for_budget(spec, config.host_cache_memory)
+
+
+@dataclass
+class StepResult:
+    """What the model produced in one step, keyed by request id (only chunks that sample)."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprob]
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: CacheConfig, seed: int | None = None):
+        self.model = loaded.model
+        self.device = loaded.device
+        self.block_size = config.block_size
+        self.spec = KVCacheSpec.for_model(loaded.arch, config.block_size, loaded.dtype)
+        self.num_device_blocks = device_blocks_for(config, self.spec)
+        self.kv = PagedKVCache(self.spec, self.num_device_blocks, self.device)
+        self.num_host_blocks = host_blocks_for(config, self.spec)
+        self.buffers = TierBuffers(self.kv, host_cache(self.kv, self.num_host_blocks), loaded.fingerprint)
+        grammars = (GrammarMasker(loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids)
+                    if loaded.tokenizer is not None else None)
+        self.sampler = Sampler(loaded.eos_token_ids, seed=seed, grammars=grammars)
+        # whether decodes read their own blocks in place (the paged kernel) or gather them: the
+        # simulator's cost model counts a step's work one way or the other
+        self.decodes_in_place = self.model.attn.reads_in_place(self.block_size, loaded.dtype, self.device)
+        logger.info("decode attention: %s", "the paged kernel, blocks read in place" if self.decodes_in_place
+                    else "blocks gathered, then torch's SDPA")
+        logger.info("KV cache: %d device blocks of %d tokens (%.1f MiB), %d host blocks (%.1f MiB)",
+                    self.num_device_blocks, self.block_size, self.kv.nbytes / 2**20, self.num_host_blocks,
+                    self.num_host_blocks * self.spec.bytes_per_block / 2**20)
+
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        if output.is_empty:
+            return StepResult({}, {})
+        decodes = [c for c in output.chunks if c.num_tokens == 1]
+        order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes],
+                                      self.block_size, group_cost_tokens(self.decodes_in_place))
+        chunks = [decodes[i] for i in order] + [c for c in output.chunks if c.num_tokens != 1]
+        batch = self.build_batch(chunks, groups)
+        with torch.inference_mode():
+            logits = self.model(batch, self.kv)                              # (S, V) float32
+        sampling = [c.request for c in chunks if c.sample]
+        forks = [(row, sample) for row, c in enumerate(c for c in chunks if c.sample) for sample in c.forks]
+        if forks:       # a family's other samples draw their first token from the leader's logits
+            logits = torch.cat([logits, logits[[row for row, _ in forks]]])                 # (S + F, V)
+            sampling += [sample for _, sample in forks]
+        result = self.sampler(logits, sampling)
+        ids = [r.request_id for r in sampling]
+        return StepResult(dict(zip(ids, result.token_ids)),
+                          {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None})
+
+    def build_batch(self, chunks: list[ScheduledChunk], groups: list[DecodeGroup] | None = None) -> ForwardBatch:
+        """Flatten chunks (decodes first, `groups` of them sharing a prefix at the front) into
+        token-axis tensors; see ForwardBatch for the layout."""
+        size = self.block_size
+        lengths = np.array([c.num_tokens for c in chunks], dtype=np.int64)
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        query_start = np.concatenate(([0], np.cumsum(lengths)))
+        positions = np.concatenate([np.arange(c.start, c.start + c.num_tokens) for c in chunks])
+        seq_lens = starts + lengths
+        width = int(-(-seq_lens.max() // size))
+        tables = np.zeros((len(chunks), width), dtype=np.int64)
+        for row, chunk in enumerate(chunks):
+            used = -(-int(seq_lens[row]) // size)
+            tables[row, :used] = chunk.block_ids[:used]
+        seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
+        slots = tables[seq_of_token, positions // size] * size + positions % size
+        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(lengths.sum()))
+        logits_rows = [int(query_start[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample]
+        to = lambda a: torch.from_numpy(a).to(self.device)                 # noqa: E731
+        return ForwardBatch(
+            input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),
+            block_tables=to(tables), seq_lens=to(seq_lens), query_start_loc=query_start.tolist(),
+            num_decodes=int((lengths == 1).sum()),
+            logits_indices=to(np.array(logits_rows, dtype=np.int64)), decode_groups=list(groups or ()))

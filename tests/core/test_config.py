@@ -1,0 +1,55 @@
+"""Configs are frozen, and validate() explains what is wrong in words a user understands."""
+
+import dataclasses
+
+import pytest
+
+from kvstrata.core.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_size,
+)
+from kvstrata.core.sampling_params import SamplingParams
+
+
+def test_configs_are_frozen():
+    config = EngineConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cache.block_size = 32
+
+
+@pytest.mark.parametrize("config, message", [
+    (CacheConfig(block_size=12), "block_size must be a power of two"),
+    (CacheConfig(num_device_blocks=0), "num_device_blocks must be at least 1"),
+    (CacheConfig(reserve_ratio_min=0.9, reserve_ratio_init=0.5), "reserve_ratio_min"),
+    (SchedulerConfig(max_num_seqs=0), "max_num_seqs must be at least 1"),
+    (SchedulerConfig(policy="random"), "policy must be one of fcfs, priority, lpm"),
+    (SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=1024),
+     "without chunked prefill"),
+    (ModelConfig(dtype="float16"), "dtype must be one of"),
+])
+def test_validate_explains_the_problem(config, message):
+    with pytest.raises(ValueError, match=message):
+        config.validate()
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
+    (SamplingParams(temperature=-1), "temperature"),
+    (SamplingParams(top_p=0), "top_p"),
+    (SamplingParams(stop=("",)), "stop strings"),
+    (SamplingParams(logprobs=50), "logprobs"),
+])
+def test_sampling_params_validate(params, message):
+    with pytest.raises(ValueError, match=message):
+        params.validate()
+
+
+def test_parse_size():
+    assert parse_size("512MiB") == 512 * 1024**2
+    assert parse_size("2GB") == 2 * 10**9
+    assert parse_size("1000") == 1000
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_size("lots")

@@ -1,0 +1,212 @@
+"""The HTTP API with the official `openai` client and raw httpx, against a live server."""
+
+import asyncio
+import json
+import random
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server_helpers import (
+    MODEL,
+    blocks_at_rest,
+    running_server,
+    scrape,
+    wait_idle,
+)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    with running_server(smollm2, num_device_blocks=256, block_size=16) as (base, engine):
+        yield base, engine
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused")
+
+
+def test_chat_completion(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens > 0 and reply.usage.total_tokens == (
+        reply.usage.prompt_tokens + reply.usage.completion_tokens)
+
+
+def test_completion_and_cached_tokens(client):
+    prompt = "A long shared preamble about rivers and mountains and the sea. " * 4 + "Tell me"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert first.choices[0].text == second.choices[0].text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_chat_streaming_with_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_streaming_matches_non_streaming(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+    assert streamed == whole
+
+
+def test_logprobs(client):
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
+    completion = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, logprobs=1)
+    assert len(completion.choices[0].logprobs.tokens) == 3
+
+
+def test_stop_and_seed(client):
+    kwargs = dict(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0.8)
+    a = client.completions.create(seed=7, **kwargs).choices[0].text
+    b = client.completions.create(seed=7, **kwargs).choices[0].text
+    assert a == b
+    stopped = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0,
+                                        stop=[" 6"])
+    assert stopped.choices[0].finish_reason == "stop" and " 6" not in stopped.choices[0].text
+
+
+def test_models_health_metrics(server):
+    base, _ = server
+    assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    assert "kvstrata_kv_blocks" in httpx.get(f"{base}/metrics").text
+
+
+def test_openai_client_errors(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        client.completions.create(model=MODEL, prompt="word " * 9000, max_tokens=2)
+
+
+BAD_INPUTS = [
+    # (path, body (bytes or json), status, error type, message fragment)
+    ("/v1/completions", b"{not json", 400, "invalid_request_error", "not valid JSON"),
+    ("/v1/completions", b"\xff\xfe\x00garbage", 400, "invalid_request_error", "not valid JSON"),
+    ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404, "not_found_error", "does not exist"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "invalid_request_error", "at most"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 5}, 400, "invalid_request_error", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "invalid_request_error", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "invalid_request_error", "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "invalid_request_error",
+     "best_of must be between n (3)"),
+    ("/v1/completions", {"prompt": "hi", "n": 1, "best_of": 2, "stream": True}, 400, "invalid_request_error",
+     "best_of greater than n cannot be streamed"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "invalid_request_error", "n: Input should be less"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "invalid_request_error", "'echo' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "wat": 1}, 400, "invalid_request_error", "unknown parameter 'wat'"),
+    ("/v1/completions", {"prompt": ""}, 400, "invalid_request_error", "must not be empty"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "invalid_request_error", "batched prompts"),
+    ("/v1/completions", {"prompt": [10**7]}, 400, "invalid_request_error", "token ids must be in"),
+    ("/v1/completions", {"prompt": "word " * 9000}, 400, "invalid_request_error", "at most"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "invalid_request_error", "stop"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "invalid_request_error", "stream_options"),
+    ("/v1/chat/completions", {"messages": []}, 400, "invalid_request_error", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request_error",
+     "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "invalid_request_error", "each tool must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "invalid_request_error", "only text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "invalid_request_error", "requires logprobs"),
+    ("/v1/embeddings", {"input": "x"}, 404, "not_found_error", "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, kind, fragment", BAD_INPUTS)
+def test_bad_inputs_get_openai_errors(server, path, body, status, kind, fragment):
+    base, engine = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{base}{path}", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == kind and fragment in error["message"]
+    wait_idle(engine)
+    assert blocks_at_rest(base)["used"] == 0
+
+
+def test_api_key_required(smollm2):
+    with running_server(smollm2, api_key="sesame") as (base, _):
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        wrong = httpx.get(f"{base}/v1/models", headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{base}/v1/models", headers={"authorization": "Bearer sesame"}).status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_full_queue_answers_503(smollm2):
+    with running_server(smollm2, max_queue=1) as (base, engine):
+        async def main():
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+                body = {"prompt": "Tell me a story", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+                long = asyncio.create_task(http.post("/v1/completions", json=body))
+                while not engine.has_unfinished:
+                    await asyncio.sleep(0.01)
+                refused = await http.post("/v1/completions", json={**body, "max_tokens": 2})
+                return refused, await long
+        refused, ok = asyncio.run(main())
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_overloaded"
+        assert ok.status_code == 200
+
+
+def test_concurrent_streams_with_disconnects_leak_nothing(server):
+    """32 streaming clients, a quarter of which hang up mid-stream; the rest get exactly the
+    greedy answer, and at rest no block is used or in flight."""
+    base, engine = server
+    rng = random.Random(5)
+    prompts = [f"Question {i % 8}: what is {i % 8} plus {i % 5}? Answer:" for i in range(32)]
+    quitters = set(rng.sample(range(32), 8))
+    body = dict(model=MODEL, max_tokens=16, temperature=0, ignore_eos=True)
+    expected = {p: httpx.post(f"{base}/v1/completions", json={**body, "prompt": p}, timeout=60).json()
+                ["choices"][0]["text"] for p in set(prompts)}
+
+    async def client(i, http):
+        text = ""
+        async with http.stream("POST", "/v1/completions", json={**body, "prompt": prompts[i], "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                text += json.loads(line[6:])["choices"][0]["text"]
+                if i in quitters and len(text) >= rng.randrange(1, 10):
+                    return None                      # leaving the context closes the connection
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            return await asyncio.gather(*(client(i, http) for i in range(32)))
+
+    results = asyncio.run(main())
+    for i, text in enumerate(results):
+        if i not in quitters:
+            assert text == expected[prompts[i]]
+    wait_idle(engine)
+    blocks = blocks_at_rest(base)
+    assert blocks["used"] == 0 and blocks["in_flight"] == 0
+    assert blocks["free"] + blocks["cached"] == engine.tiers.device.num_blocks
+    metrics = scrape(base)
+    assert metrics['kvstrata_requests_finished_total{model_name="SmolLM2-135M-Instruct",outcome="abort"}'] >= 1
+    assert metrics["kvstrata_audit_failures_total"] == 0
