@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 FLAGS = ("--host-cache-memory", "1GiB", "--store", "disk")       # `make serve`
-SERVE_IMPORTS = "import kvstrata.entrypoints.cli.main, uvicorn, kvstrata.engine.llm_engine, kvstrata.entrypoints.openai.server"
+SERVE_IMPORTS = "import kvstrata.entrypoints.cli.main, uvicorn, kvstrata.engine.async_engine, kvstrata.entrypoints.openai.api_server"
 
 
 def _free_port() -> int:

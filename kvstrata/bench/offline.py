@@ -20,7 +20,8 @@ from kvstrata.bench.quiet import wait_quiet
 from kvstrata.bench.roofline import memory_read_bandwidth, weight_bytes
 from kvstrata.bench.workloads import TOKEN_HIGH, TOKEN_LOW
 from kvstrata.core.sampling_params import SamplingParams
-from kvstrata.engine.llm_engine import MAP_CHUNK_BYTES, LLMEngine
+from kvstrata.engine.async_engine import MAP_CHUNK_BYTES
+from kvstrata.engine.llm_engine import LLMEngine
 
 
 def make_cases(batch_sizes: list[int], input_len: int, output_len: int, repeats: int, seed: int) -> list[OfflineCase]:

@@ -1,4 +1,4 @@
-"""`LLMEngine` (synchronous) and `AsyncLLMEngine` (one thread drives it for the server).
+"""`LLMEngine`: one synchronous engine, stepped by its caller (the `LLM` class, or `AsyncLLMEngine`'s thread).
 
     step():  schedule -> run the model -> update the ledger -> turn tokens into outputs
 
@@ -6,22 +6,20 @@ A step that raises (the model, the sampler, a bug) costs the requests of that st
 engine: they end with finish reason "error", everything they held is released, and `audit()`
 proves it. Only an audit that fails after that recovery is fatal (`EngineDeadError`).
 
-`LLMEngine` is not thread-safe: `AsyncLLMEngine` gives it one thread of its own and funnels every
-add and abort through a command queue that thread drains between steps, so the scheduler, the
-pools and the tokenizer are only ever touched by that thread.
+`LLMEngine` is not thread-safe: `AsyncLLMEngine` (kvstrata.engine.async_engine) gives it one thread
+of its own, and other threads see it only through the snapshots that thread publishes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from kvstrata.core.config import EngineConfig
@@ -31,6 +29,8 @@ from kvstrata.core.outputs import RequestOutput, best_samples
 from kvstrata.core.request import Request, RequestStatus, SampleFamily
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
+from kvstrata.engine.prompts import Prompt, PromptEncoder
+from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot, EngineStats, RequestCounts, copied
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.stores import open_store
 from kvstrata.kvcache.tiers import TierManager
@@ -38,42 +38,14 @@ from kvstrata.model.arch import ModelArch
 from kvstrata.model.loader import LoadedModel, load_model
 from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvstrata.structured.grammar import compile_grammar
-from kvstrata.structured.tool_calls import render_chat
 from kvstrata.worker.runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
 
-PERSIST_BATCH = 16      # blocks an idle engine sends to the store between looks at its command queue
-MAP_CHUNK_BYTES = 16 * 2**20   # KV pages an idle engine maps between looks (~35 ms here)
 
 
 class EngineDeadError(RuntimeError):
     """The books did not balance after recovering from a failed step: the engine cannot go on."""
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """Messages to render with the model's chat template (in the engine thread, with the tokenizer)."""
-
-    messages: tuple[dict[str, Any], ...]
-    tools: tuple[dict[str, Any], ...] = ()     # OpenAI function tools, rendered for the model (tool_calls.py)
-
-
-Prompt = str | Sequence[int] | ChatPrompt
-
-
-@dataclass
-class EngineStats:
-    """Counters since start, for metrics and the CLI's figures."""
-
-    steps: int = 0
-    prompt_tokens_computed: int = 0
-    generated_tokens: int = 0
-    audit_failures: int = 0
-    step_failures: int = 0
-    step_seconds: float = 0.0
-    schedule_seconds: float = 0.0      # of step_seconds: scheduling and admission
-    model_seconds: float = 0.0         # of step_seconds: the model and the sampler
 
 
 @dataclass
@@ -98,6 +70,7 @@ class LLMEngine:
             config.scheduler, max_model_len=resolve_max_model_len(config.scheduler.max_model_len, self.loaded.arch))
         self.config = config = dataclasses.replace(config, scheduler=scheduler_config).validate()
         self.tokenizer = self.loaded.tokenizer
+        self.prompts = PromptEncoder(self.tokenizer, self.loaded.chat_template, self.loaded.name)
         self.runner = ModelRunner(self.loaded, config.cache)
         self.faults = faults
         cache = config.cache
@@ -113,22 +86,9 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # ---- intake ---------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, ChatPrompt):
-            return self.chat_prompt(prompt.messages, prompt.tools)
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return [int(t) for t in prompt]
-
     def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
         """Token ids of a chat rendered with the model's own template, ready for the reply."""
-        if not self.loaded.chat_template:
-            raise ValueError(f"the model {self.loaded.name} has no chat template; use a completion instead")
-        try:
-            text = render_chat(self.tokenizer, self.loaded.chat_template, messages, tools)
-        except Exception as exc:        # the template's own checks (role order, missing fields)
-            raise RequestRejected(f"the chat template rejected these messages: {exc}", "prompt") from exc
-        return self.encode(text)
+        return self.prompts.chat_prompt(messages, tools)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> Request:
@@ -139,7 +99,7 @@ class LLMEngine:
         prefill (see SampleFamily); its outputs carry `request_id` and their `index`. Returns the
         request (a family's leader).
         """
-        token_ids = self.encode(prompt)
+        token_ids = self.prompts.encode(prompt)
         params = params or SamplingParams()
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(1, self.config.scheduler.max_model_len - len(token_ids)))
@@ -173,6 +133,23 @@ class LLMEngine:
                 sample, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop), request_id,
                 show_logprobs=params.logprobs is not None)
         return samples[0]
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.loaded.name, self.config.scheduler.max_model_len, self.loaded.arch.vocab_size,
+                          self.config.cache.block_size, self.hasher.root)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine as of now, copied, for other threads (see kvstrata.engine.snapshots). Engine thread only."""
+        counts = Counter(request.status for request in self.scheduler.requests.values())
+        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.scheduler.requests.values())
+        requests = RequestCounts(counts[RequestStatus.RUNNING], counts[RequestStatus.LOADING],
+                                 counts[RequestStatus.WAITING] + counts[RequestStatus.PREEMPTED])
+        return EngineSnapshot(requests, len(self.scheduler.requests), queued,
+                              MappingProxyType(self.tiers.counts()), copied(self.tiers.stats), copied(self.stats),
+                              self.scheduler.num_preemptions,
+                              None if self.store is None else MappingProxyType(self.store.stats().errors),
+                              self.tiers.num_unpersisted)
 
     @property
     def has_unfinished(self) -> bool:
@@ -339,182 +316,3 @@ def _combine(parts: list[RequestOutput]) -> RequestOutput:
                          last.finished, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens,
                          last.num_output_tokens, [lp for p in parts for lp in p.logprobs],
                          last.first_scheduled_time, last.index, last.cumulative_logprob)
-
-
-class AsyncLLMEngine:
-    """Serves many callers from one engine thread.
-
-    `generate()` is an async iterator of outputs; leaving it early (a client disconnects, the task
-    is cancelled) aborts the request, and the engine thread releases its blocks before its next step.
-
-    Give it a function that builds the engine, not a built engine, and the model loads on the
-    engine thread (`kvstrata serve` does). Why: OpenMP gives each thread that runs a parallel
-    region its own team of workers, and once the teams hold more threads than the machine has
-    CPUs, libgomp stops spin-waiting between regions: every parallel op then pays a futex wake-up.
-    Loading runs parallel regions; loaded on the main thread and stepped here, the served
-    shared-prefix workload's TPOT p50 was 26.6 ms, loaded here 19.8 ms (bf16, 2 threads, 2 cores).
-    The price of spinning: the engine wants its cores to itself (see the README).
-    """
-
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]):
-        self._build = None if isinstance(engine, LLMEngine) else engine
-        self.engine: LLMEngine = engine if self._build is None else None    # else built by start()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._unfinished_samples: dict[str, int] = {}      # per stream: samples still running
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
-        self.error: BaseException | None = None
-
-    def start(self) -> AsyncLLMEngine:
-        """Start the engine thread; with a builder, return once it has built the engine (or raise what
-        building raised)."""
-        built = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(built,), name="kvstrata-engine", daemon=True)
-        self._thread.start()
-        built.wait()
-        if self.engine is None:
-            raise self.error
-        return self
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs as steps produce them (a family's samples interleaved,
-        told apart by `index`), until every sample finished. ValueError if it cannot run."""
-        if self.error is not None or self._stop.is_set():
-            raise RuntimeError("the engine is not running")
-        loop = asyncio.get_running_loop()
-        request_id = request_id or f"async-{next(self._ids)}"
-        admitted: asyncio.Future = loop.create_future()
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._send(("add", (prompt, params, request_id, priority), admitted, (loop, outputs)))
-        try:
-            await admitted
-        except asyncio.CancelledError:
-            self.abort(request_id)     # queued after the add, so it cannot be overtaken
-            raise
-        unfinished = (params or SamplingParams()).num_samples
-        finished = False
-        try:
-            while not finished:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
-                unfinished -= out.finished
-                finished = not unfinished
-                yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id, None, None))
-
-    def _send(self, command: tuple) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    def shutdown(self, timeout: float = 0.0) -> None:
-        """Let running requests finish for up to `timeout` seconds, abort the rest, stop the thread."""
-        assert self._thread is not None, "shutdown() of an engine never started"
-        deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.05)
-        self._send(("abort_all", None, None, None))
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
-        self.engine.close()
-
-    # ---- the engine thread ----------------------------------------------------------------------
-    def _run(self, built: threading.Event) -> None:
-        try:
-            if self.engine is None:
-                self.engine = self._build()
-        except BaseException as exc:           # raised again by start(), on the caller's thread
-            self.error = exc
-            return
-        finally:
-            built.set()
-        try:
-            while True:
-                self._drain_commands()
-                if self._stop.is_set():
-                    return
-                if self.engine.has_work:
-                    for out in self.engine.step():
-                        self._deliver(out)
-                elif self.engine.tiers.persist(PERSIST_BATCH) or self.engine.map_kv_pages(MAP_CHUNK_BYTES):
-                    continue                # idle: a few blocks to the store or KV pages mapped, then look again
-                else:
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-        except BaseException as exc:   # the engine is unusable (EngineDeadError): fail every caller, do not hang them
-            logger.critical("engine stopped; failing %d requests", len(self._streams), exc_info=exc)
-            self.error = exc
-            for loop, stream in self._streams.values():
-                _post(loop, stream.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
-            self._streams.clear()
-            self._unfinished_samples.clear()
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                kind, payload, future, stream = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._add(payload, future, stream)
-            elif kind == "abort":
-                for out in self.engine.abort(payload):
-                    self._deliver(out)
-            elif kind == "abort_all":
-                for request_id in list(self._streams):
-                    for out in self.engine.abort(request_id):
-                        self._deliver(out)
-
-    def _add(self, payload: tuple, future: asyncio.Future, stream: tuple) -> None:
-        loop, _ = stream
-        prompt, params, request_id, priority = payload
-        try:
-            self.engine.add_request(prompt, params, request_id, priority)
-        except Exception as exc:      # a bad request: its caller gets the error, the engine goes on
-            _post(loop, _settle, future, exc)
-            return
-        self._streams[request_id] = stream
-        self._unfinished_samples[request_id] = (params or SamplingParams()).num_samples
-        _post(loop, _settle, future, None)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is None:
-            return
-        if out.finished:
-            self._unfinished_samples[out.request_id] -= 1
-            if not self._unfinished_samples[out.request_id]:
-                del self._streams[out.request_id], self._unfinished_samples[out.request_id]
-        _post(target[0], target[1].put_nowait, out)
-
-
-def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
-    """Run `callback` on the caller's loop; a caller whose loop has closed is gone, so drop it."""
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:
-        logger.debug("dropping an output for a closed event loop")
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)

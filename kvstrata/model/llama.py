@@ -24,7 +24,7 @@ from torch import nn
 
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.arch import ModelArch
-from kvstrata.model.attention import AttentionPlan, PagedAttention
+from kvstrata.model.attention import PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
 from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
 from kvstrata.model.rope import RotaryTables, apply_rotary

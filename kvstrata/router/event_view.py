@@ -1,4 +1,4 @@
-"""The router's view of one engine, built from its KV events (kvstrata.engine.kv_events).
+"""The router's view of one engine, built from its KV events (the wire format: kvstrata.core.kv_events).
 
 `kvstrata router` keeps one `EventView` per engine and feeds it every reply of the engine's
 `/v1/kv_events` long-poll: a snapshot replaces what it holds, events add and remove hashes. The
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstrata.core.hashing import BlockHash
-from kvstrata.engine.kv_events import PUBLISHED_TIERS
+from kvstrata.core.kv_events import PUBLISHED_TIERS
 
 
 @dataclass

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from kvstrata.core.sampling_params import SamplingParams
-from kvstrata.engine.llm_engine import AsyncLLMEngine
+from kvstrata.engine.async_engine import AsyncLLMEngine
 from tests.model.model_helpers import slow_without_native_bf16
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -17,8 +17,9 @@ import pytest
 import uvicorn
 
 from kvstrata.core.config import EngineConfig
-from kvstrata.engine.llm_engine import AsyncLLMEngine, LLMEngine
-from kvstrata.entrypoints.openai.server import create_app
+from kvstrata.engine.async_engine import AsyncLLMEngine
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.entrypoints.openai.api_server import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -57,7 +58,7 @@ def running_server(loaded, api_key: str | None = None, max_queue: int = 256, fau
     """Yield (base_url, engine); on exit, stop the server and the engine thread."""
     options.setdefault("kv_cache_memory", "64MiB")
     engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded, faults=faults)
-    async_engine = AsyncLLMEngine(engine).start()
+    async_engine = AsyncLLMEngine(engine, kv_events=True).start()
     try:
         with serving(create_app(async_engine, MODEL, api_key, max_queue, allowed_origins)) as base:
             yield base, engine

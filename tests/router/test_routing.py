@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.engine.kv_events import EngineLoad, KVEventLog, publish
+from kvstrata.engine.kv_events import EngineLoad, KVEventLog, KVEventRecorder
 from kvstrata.router.event_view import EventView
 from kvstrata.router.policies import POLICIES, RoutedPrompt, make_policy
+from kvstrata.sim.routing import SchedulerView
 from kvstrata.sim.simulator import SimConfig, Simulator
 from kvstrata.sim.traces import read_mooncake
 from tests.sim.test_simulator import fixed_cost, synthetic_trace
@@ -23,7 +24,10 @@ def test_simulator_and_router_make_the_same_decisions(tmp_path, policy, capacity
     config = SimConfig(block_size=64, device_cache_tokens=4096, host_cache_tokens=4096, store_cache_tokens=0,
                        instances=3, router=policy)
     sim = Simulator(trace, config, fixed_cost(per_prefill_token=2e-5, per_decode=1e-3))
-    logs = [publish(engine.scheduler, sim.tokens.hasher.root, capacity) for engine in sim.engines]
+    recorders = [KVEventRecorder([("device", engine.scheduler.tiers.device), ("host", engine.scheduler.tiers.host)])
+                 for engine in sim.engines]
+    logs = [KVEventLog(64, sim.tokens.hasher.root, recorder.held, capacity) for recorder in recorders]
+    loads = [SchedulerView(engine.scheduler) for engine in sim.engines]
     views = [EventView(f"engine-{index}", available=True) for index in range(len(logs))]
     router_policy = make_policy(policy, sim.tokens.per_trace_block)
     simulated_route = sim.router.route
@@ -31,7 +35,8 @@ def test_simulator_and_router_make_the_same_decisions(tmp_path, policy, capacity
 
     def both(request):
         nonlocal predicted, snapshots
-        for view, log in zip(views, logs):
+        for view, log, recorder, load in zip(views, logs, recorders, loads):
+            log.publish(recorder.take(), EngineLoad(load.num_requests(), load.queued_prompt_tokens()))
             reply = log.since(view.seq, view.instance)
             snapshots += reply["snapshot"] is not None and view.instance is not None
             view.apply(reply)
@@ -50,11 +55,11 @@ def test_simulator_and_router_make_the_same_decisions(tmp_path, policy, capacity
 
 
 def test_event_log_is_bounded_and_falls_back_to_a_snapshot():
-    log = KVEventLog(16, b"\0" * 16, lambda: EngineLoad(2, 40), capacity=4)
+    log = KVEventLog(16, b"\0" * 16, {}, capacity=4)
     hashes = [bytes([i]) * 16 for i in range(6)]
-    for h in hashes:
-        log.record("device", h, True)
-    log.record("device", hashes[0], False)                  # events 1..7; the ring keeps 4..7
+    log.publish([("device", True, h) for h in hashes[:3]], EngineLoad(1, 80))
+    log.publish([("device", True, h) for h in hashes[3:]] + [("device", False, hashes[0])], EngineLoad(2, 40))
+    # events 1..7; the ring keeps 4..7
     behind = log.since(1, log.instance)
     assert sorted(behind["snapshot"]["device"]) == sorted(h.hex() for h in hashes[1:])
     assert behind["snapshot"]["host"] == [] and behind["seq"] == 7 and behind["events"] == []

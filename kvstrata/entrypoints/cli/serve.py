@@ -28,8 +28,9 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvstrata.engine.llm_engine import AsyncLLMEngine, LLMEngine
-    from kvstrata.entrypoints.openai.server import create_app
+    from kvstrata.engine.async_engine import AsyncLLMEngine
+    from kvstrata.engine.llm_engine import LLMEngine
+    from kvstrata.entrypoints.openai.api_server import create_app
     from kvstrata.kvcache.faults import ENV_VAR, FaultInjector
 
     if args.model_arg is not None:
@@ -43,9 +44,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.getLogger("kvstrata").warning("%s is set: injecting faults %s", ENV_VAR, faults.every)
     engine_settings = engine_config(args)
     # Loaded on the engine thread, so one OpenMP team runs every step (see AsyncLLMEngine).
-    async_engine = AsyncLLMEngine(lambda: LLMEngine(engine_settings, faults=faults)).start()
-    engine = async_engine.engine
-    name = server.served_model_name or engine.loaded.name
+    async_engine = AsyncLLMEngine(lambda: LLMEngine(engine_settings, faults=faults), kv_events=True).start()
+    name = server.served_model_name or async_engine.info.model_name
     app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins)
     # uvicorn stops accepting on SIGTERM/SIGINT, lets open requests run for shutdown_timeout seconds,
     # then cancels them (which aborts their requests); what is left is aborted below. Once done it
@@ -59,10 +59,11 @@ def run_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvstrata")
     log.info("shutting down: %d requests in flight", async_engine.num_unfinished)
     async_engine.shutdown()
-    stats = engine.tiers.stats
+    final = async_engine.snapshot
+    stats = final.cache
     log.info("stopped: %d steps, %d prompt tokens (%d from cache), %d tokens generated; %d blocks written to "
-             "the store, %d not", engine.stats.steps, stats.prompt_tokens, sum(stats.hit_tokens.values()),
-             engine.stats.generated_tokens, stats.offloaded_blocks["store"], engine.tiers.num_unpersisted)
+             "the store, %d not", final.engine.steps, stats.prompt_tokens, sum(stats.hit_tokens.values()),
+             final.engine.generated_tokens, stats.offloaded_blocks["store"], final.num_unpersisted)
     return 0
 
 

@@ -1,12 +1,15 @@
 """Prometheus metrics: request outcomes and latencies, queue gauges, and KV blocks by tier and state.
 
 Latencies are observed by the server as responses stream. Engine-side figures (blocks per state,
-queue lengths, token counters) are read from the engine at scrape time by a collector, so a scrape
-always shows the books as they are, and `free + cached + used + in_flight == total` can be checked
-from outside. Each server has its own registry, so several can live in one process (tests).
+queue lengths, token counters) come from the last snapshot the engine thread published (at most
+one step old), read at scrape time by a collector: a scrape never touches the engine's own state,
+and `free + cached + used + in_flight == total` can be checked from outside. Each server has its
+own registry, so several can live in one process (tests).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,8 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstrata.core.request import RequestStatus
-from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.snapshots import EngineSnapshot
 from kvstrata.kvcache.block_pool import BlockState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
@@ -38,70 +40,66 @@ def length_buckets(max_len: int) -> tuple[int, ...]:
 
 
 class EngineCollector(Collector):
-    """Reads the engine's counters and pools when Prometheus scrapes."""
+    """Reads the engine's last published snapshot when Prometheus scrapes."""
 
-    def __init__(self, engine: LLMEngine, model_name: str):
-        self.engine = engine
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
+        self.snapshot = snapshot
         self.model_name = model_name
 
     def collect(self):
-        engine = self.engine
-        yield from self._vllm_style(engine)
-        scheduler = engine.scheduler
-        statuses = [r.status for r in list(scheduler.requests.values())]
+        snapshot = self.snapshot()
+        yield from self._vllm_style(snapshot)
         requests = GaugeMetricFamily("kvstrata_requests", "Unfinished requests by state", labels=["state"])
-        for state, status in (("running", RequestStatus.RUNNING), ("loading", RequestStatus.LOADING)):
-            requests.add_metric([state], sum(s is status for s in statuses))
-        requests.add_metric(["waiting"], sum(s in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for s in statuses))
+        for state in ("running", "loading", "waiting"):
+            requests.add_metric([state], getattr(snapshot.requests, state))
         yield requests
 
         blocks = GaugeMetricFamily("kvstrata_kv_blocks", "KV blocks by tier and state", labels=["tier", "state"])
-        for tier, counts in engine.tiers.counts().items():
+        for tier, counts in snapshot.blocks.items():
             for state in BlockState:
                 blocks.add_metric([tier, state.value], getattr(counts, state.value))
         yield blocks
 
-        stats = engine.tiers.stats
+        stats = snapshot.cache
         prompt = CounterMetricFamily("kvstrata_prompt_tokens", "Prompt tokens by where their KV came from",
                                      labels=["source"])
         prompt.add_metric(["computed"], stats.prompt_tokens - sum(stats.hit_tokens.values()))
         for tier, tokens in stats.hit_tokens.items():
             prompt.add_metric([tier], tokens)
         yield prompt
-        yield CounterMetricFamily("kvstrata_generation_tokens", "Tokens generated",
-                                  value=engine.stats.generated_tokens)
-        yield CounterMetricFamily("kvstrata_preemptions", "Requests preempted", value=scheduler.num_preemptions)
+        run = snapshot.engine
+        yield CounterMetricFamily("kvstrata_generation_tokens", "Tokens generated", value=run.generated_tokens)
+        yield CounterMetricFamily("kvstrata_preemptions", "Requests preempted", value=snapshot.num_preemptions)
         yield _by_label("kvstrata_evicted_blocks", "Cached blocks evicted, by tier", "tier", stats.evicted_blocks)
         yield _by_label("kvstrata_offloaded_blocks", "Blocks copied down to a tier", "tier", stats.offloaded_blocks)
         yield _by_label("kvstrata_loaded_blocks", "Blocks loaded up from a tier", "tier", stats.loaded_blocks)
         yield _by_label("kvstrata_load_failures", "Store loads that fell back to recompute, by reason", "reason",
                         stats.load_failures)
         yield _by_label("kvstrata_store_errors", "Store operations that failed, by kind", "kind", stats.store_errors)
-        if engine.store is not None:      # a Redis Cluster's dead node costs misses, seen only here
+        if snapshot.store_errors is not None:      # a Redis Cluster's dead node costs misses, seen only here
             yield _by_label("kvstrata_store_backend_errors", "Failed store calls as the store counts them (a "
-                            "cluster's per-node failures included), by kind", "kind", engine.store.stats().errors)
+                            "cluster's per-node failures included), by kind", "kind", snapshot.store_errors)
         yield _by_label("kvstrata_transfer_faults", "KV copies, encodes and decodes that raised (their blocks are "
                         "recomputed), by operation", "operation", stats.faults)
         yield CounterMetricFamily("kvstrata_store_dropped_writes", "Store writes dropped (queue full)",
                                   value=stats.dropped_writes)
         yield CounterMetricFamily("kvstrata_store_load_seconds", "Seconds spent waiting for store loads",
                                   value=stats.load_seconds)
-        yield CounterMetricFamily("kvstrata_audit_failures", "audit() failures", value=engine.stats.audit_failures)
+        yield CounterMetricFamily("kvstrata_audit_failures", "audit() failures", value=run.audit_failures)
         yield CounterMetricFamily("kvstrata_step_failures", "Engine steps that raised (their requests ended with "
-                                  "an error, their blocks released)", value=engine.stats.step_failures)
-        yield CounterMetricFamily("kvstrata_engine_steps", "Engine steps", value=engine.stats.steps)
+                                  "an error, their blocks released)", value=run.step_failures)
+        yield CounterMetricFamily("kvstrata_engine_steps", "Engine steps", value=run.steps)
         seconds = CounterMetricFamily("kvstrata_engine_step_seconds", "Seconds engine steps took, by part "
                                       "(schedule: scheduling and admission; model: the model and the sampler; "
                                       "rest: bookkeeping, caching, detokenizing)", labels=["part"])
-        run = engine.stats
         for part, value in (("schedule", run.schedule_seconds), ("model", run.model_seconds),
                             ("rest", run.step_seconds - run.schedule_seconds - run.model_seconds)):
             seconds.add_metric([part], value)
         yield seconds
 
-    def _vllm_style(self, engine: LLMEngine):
+    def _vllm_style(self, snapshot: EngineSnapshot):
         """The figures vLLM dashboards chart, under kvstrata names, labelled with the model."""
-        stats, labels, model = engine.tiers.stats, ["model_name"], [self.model_name]
+        stats, labels, model = snapshot.cache, ["model_name"], [self.model_name]
         queries = CounterMetricFamily("kvstrata_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                       "cache (at first admission)", labels=labels)
         queries.add_metric(model, stats.prompt_tokens)
@@ -112,7 +110,7 @@ class EngineCollector(Collector):
         yield hits
         usage = GaugeMetricFamily("kvstrata_kv_cache_usage_perc", "Fraction of device KV blocks held by "
                                   "requests or transfers (1 = full; cached blocks count as free)", labels=labels)
-        device = engine.tiers.device.counts()
+        device = snapshot.blocks["device"]
         usage.add_metric(model, (device.used + device.in_flight) / max(1, device.total))
         yield usage
 
@@ -128,9 +126,9 @@ class ServerMetrics:
     """Everything `/metrics` exports for one server. Request-level series carry a `model_name` label
     (as vLLM's do); `process_*` and `python_*` are prometheus_client's standard collectors."""
 
-    def __init__(self, engine: LLMEngine, model_name: str = "model"):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], max_model_len: int, model_name: str = "model"):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(snapshot, model_name))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         r, name = self.registry, ["model_name"]
@@ -151,11 +149,10 @@ class ServerMetrics:
                                  "to its first token", LATENCY_BUCKETS)
         self.decode = histogram("kvstrata_request_decode_time_seconds", "First token to the end",
                                 LATENCY_BUCKETS)
-        max_len = engine.config.scheduler.max_model_len
         self.prompt_len = histogram("kvstrata_request_prompt_tokens", "Prompt tokens per finished request",
-                                    length_buckets(max_len))
+                                    length_buckets(max_model_len))
         self.output_len = histogram("kvstrata_request_generation_tokens", "Generated tokens per finished "
-                                    "request", length_buckets(max_len))
+                                    "request", length_buckets(max_model_len))
 
     def observe(self, outcome: str, arrival: float, first_token: float | None, end: float, num_output: int,
                 num_prompt: int | None = None, first_scheduled: float | None = None) -> None:

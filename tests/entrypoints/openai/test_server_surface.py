@@ -128,11 +128,11 @@ def test_metrics_vllm_dashboards_use(server):
 
 def test_one_log_line_per_request(server, caplog):
     base, _ = server
-    with caplog.at_level(logging.INFO, logger="kvstrata.entrypoints.openai.server"):
+    with caplog.at_level(logging.INFO, logger="kvstrata.entrypoints.openai.requests"):
         response = post(base, "/v1/completions", {"prompt": "Say hi", "max_tokens": 3, "ignore_eos": True})
         post(base, "/v1/completions", {"prompt": "hi", "wat": 1})
     request_id = response.json()["id"]
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvstrata.entrypoints.openai.server"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvstrata.entrypoints.openai.requests"]
     mine = [line for line in lines if request_id in line]
     assert len(mine) == 1 and "3 output tokens" in mine[0] and "(0 cached)" in mine[0] and "ttft" in mine[0]
     assert "finish length" in mine[0]

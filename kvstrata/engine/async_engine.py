@@ -1,0 +1,255 @@
+"""`AsyncLLMEngine`: one thread steps an `LLMEngine` and serves many callers on an event loop.
+
+The engine thread is the only owner of the engine's state (scheduler, tiers, pools, tokenizer).
+Callers reach it only through its command queue (add, abort), and read only what it publishes
+once per step: `snapshot` (kvstrata.engine.snapshots) and, when asked for, the KV-event log
+(kvstrata.engine.kv_events). `info` and `prompts` (a tokenizer of the callers' own) are set once,
+when the engine is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from kvstrata.core.outputs import RequestOutput
+from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.engine.kv_events import EngineLoad, KVEventLog, KVEventRecorder
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.prompts import Prompt, PromptEncoder
+from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot
+
+logger = logging.getLogger(__name__)
+
+PERSIST_BATCH = 16      # blocks an idle engine sends to the store between looks at its command queue
+MAP_CHUNK_BYTES = 16 * 2**20   # KV pages an idle engine maps between looks (~35 ms here)
+
+
+class AsyncLLMEngine:
+    """Serves many callers from one engine thread.
+
+    `generate()` is an async iterator of outputs; leaving it early (a client disconnects, the task
+    is cancelled) aborts the request, and the engine thread releases its blocks before its next step.
+
+    Give it a function that builds the engine, not a built engine, and the model loads on the
+    engine thread (`kvstrata serve` does). Why: OpenMP gives each thread that runs a parallel
+    region its own team of workers, and once the teams hold more threads than the machine has
+    CPUs, libgomp stops spin-waiting between regions: every parallel op then pays a futex wake-up.
+    Loading runs parallel regions; loaded on the main thread and stepped here, the served
+    shared-prefix workload's TPOT p50 was 26.6 ms, loaded here 19.8 ms (bf16, 2 threads, 2 cores).
+    The price of spinning: the engine wants its cores to itself (see the README).
+
+    `kv_events`: publish the caches' index changes for routers (`kv_events`, a KVEventLog).
+    """
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], kv_events: bool = False):
+        self._build = None if isinstance(engine, LLMEngine) else engine
+        self._engine: LLMEngine | None = engine if self._build is None else None    # else built by start()
+        self._with_kv_events = kv_events
+        self._recorder: KVEventRecorder | None = None
+        # Published by the engine thread (set once at build, or swapped whole once per step):
+        self.info: EngineInfo | None = None
+        self.prompts: PromptEncoder | None = None       # a tokenizer of the callers' own
+        self.snapshot: EngineSnapshot = EngineSnapshot.empty()
+        self.kv_events: KVEventLog | None = None
+        self._in_flight = 0                              # generate() calls not yet ended, counted by the callers
+        self._in_flight_lock = threading.Lock()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._unfinished_samples: dict[str, int] = {}      # per stream: samples still running
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+
+    def start(self) -> AsyncLLMEngine:
+        """Start the engine thread; with a builder, return once it has built the engine (or raise what
+        building raised)."""
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="kvstrata-engine", daemon=True)
+        self._thread.start()
+        built.wait()
+        if self.info is None:
+            raise self.error
+        return self
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests in flight (queued, running, or streaming their last outputs)."""
+        return self._in_flight
+
+    def _count(self, delta: int) -> None:
+        with self._in_flight_lock:
+            self._in_flight += delta
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs as steps produce them (a family's samples interleaved,
+        told apart by `index`), until every sample finished. ValueError if it cannot run."""
+        if self.error is not None or self._stop.is_set():
+            raise RuntimeError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"async-{next(self._ids)}"
+        admitted: asyncio.Future = loop.create_future()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._count(1)
+        try:
+            self._send(("add", (prompt, params, request_id, priority), admitted, (loop, outputs)))
+            try:
+                await admitted
+            except asyncio.CancelledError:
+                self.abort(request_id)     # queued after the add, so it cannot be overtaken
+                raise
+            unfinished = (params or SamplingParams()).num_samples
+            finished = False
+            try:
+                while not finished:
+                    out = await outputs.get()
+                    if isinstance(out, BaseException):
+                        raise out
+                    unfinished -= out.finished
+                    finished = not unfinished
+                    yield out
+            finally:
+                if not finished:
+                    self.abort(request_id)
+        finally:
+            self._count(-1)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id, None, None))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Let running requests finish for up to `timeout` seconds, abort the rest, stop the thread."""
+        assert self._thread is not None, "shutdown() of an engine never started"
+        deadline = time.monotonic() + timeout
+        while self.num_unfinished and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        self._send(("abort_all", None, None, None))
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self._engine.close()          # the thread has ended: this thread owns the engine now
+        self.snapshot = self._engine.snapshot()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self, built: threading.Event) -> None:
+        try:
+            self._build_on_this_thread()
+        except BaseException as exc:           # raised again by start(), on the caller's thread
+            self.error = exc
+            return
+        finally:
+            built.set()
+        engine = self._engine
+        try:
+            while True:
+                changed = self._drain_commands()
+                if self._stop.is_set():
+                    return
+                if engine.has_work:
+                    for out in engine.step():
+                        self._deliver(out)
+                elif engine.tiers.persist(PERSIST_BATCH) or engine.map_kv_pages(MAP_CHUNK_BYTES):
+                    pass                    # idle: a few blocks to the store or KV pages mapped, then look again
+                elif not changed:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                self._publish()
+        except BaseException as exc:   # the engine is unusable (EngineDeadError): fail every caller, do not hang them
+            logger.critical("engine stopped; failing %d requests", len(self._streams), exc_info=exc)
+            self.error = exc
+            for loop, stream in self._streams.values():
+                _post(loop, stream.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
+            self._streams.clear()
+            self._unfinished_samples.clear()
+
+    def _build_on_this_thread(self) -> None:
+        """Build the engine (when given a builder) and what it publishes, before serving anyone."""
+        if self._engine is None:
+            self._engine = self._build()
+        engine = self._engine
+        if self._with_kv_events:
+            self._recorder = KVEventRecorder([("device", engine.tiers.device), ("host", engine.tiers.host)])
+            self.kv_events = KVEventLog(engine.config.cache.block_size, engine.hasher.root, self._recorder.held)
+        self.prompts = engine.prompts.copy()
+        self._publish()
+        self.info = engine.info          # last: start() takes it as the sign that the engine is built
+
+    def _publish(self) -> None:
+        """Swap in what other threads may read: a new snapshot, and this step's KV events."""
+        snapshot = self._engine.snapshot()
+        self.snapshot = snapshot
+        if self._recorder is not None:
+            self.kv_events.publish(self._recorder.take(),
+                                   EngineLoad(snapshot.num_requests, snapshot.queued_prompt_tokens))
+
+    def _drain_commands(self) -> bool:
+        """Take every queued command; whether there was any."""
+        took = False
+        while True:
+            try:
+                kind, payload, future, stream = self._commands.get_nowait()
+            except queue.Empty:
+                return took
+            took = True
+            if kind == "add":
+                self._add(payload, future, stream)
+            elif kind == "abort":
+                for out in self._engine.abort(payload):
+                    self._deliver(out)
+            elif kind == "abort_all":
+                for request_id in list(self._streams):
+                    for out in self._engine.abort(request_id):
+                        self._deliver(out)
+
+    def _add(self, payload: tuple, future: asyncio.Future, stream: tuple) -> None:
+        loop, _ = stream
+        prompt, params, request_id, priority = payload
+        try:
+            self._engine.add_request(prompt, params, request_id, priority)
+        except Exception as exc:      # a bad request: its caller gets the error, the engine goes on
+            _post(loop, _settle, future, exc)
+            return
+        self._streams[request_id] = stream
+        self._unfinished_samples[request_id] = (params or SamplingParams()).num_samples
+        _post(loop, _settle, future, None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._streams.get(out.request_id)
+        if target is None:
+            return
+        if out.finished:
+            self._unfinished_samples[out.request_id] -= 1
+            if not self._unfinished_samples[out.request_id]:
+                del self._streams[out.request_id], self._unfinished_samples[out.request_id]
+        _post(target[0], target[1].put_nowait, out)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Run `callback` on the caller's loop; a caller whose loop has closed is gone, so drop it."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        logger.debug("dropping an output for a closed event loop")
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

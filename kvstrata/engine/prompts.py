@@ -1,0 +1,60 @@
+"""Prompts to token ids: text, token ids, or chat messages through the model's own template.
+
+A `PromptEncoder` holds one tokenizer and is used from one thread: the engine thread has its own,
+and the HTTP server a copy (`copy()`), because a Hugging Face tokenizer object is not meant to be
+shared between threads (its Rust core borrows itself mutably to set truncation and padding).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.core.errors import RequestRejected
+from kvstrata.structured.tool_calls import render_chat
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Messages to render with the model's chat template (in the engine thread, with the tokenizer)."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()     # OpenAI function tools, rendered for the model (tool_calls.py)
+
+
+Prompt = str | Sequence[int] | ChatPrompt
+
+
+class PromptEncoder:
+    """The model's tokenizer and chat template, for one thread."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None, model_name: str):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.model_name = model_name
+
+    def copy(self) -> PromptEncoder:
+        """An encoder with a tokenizer of its own, for another thread."""
+        return PromptEncoder(copy.deepcopy(self.tokenizer), self.chat_template, self.model_name)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, ChatPrompt):
+            return self.chat_prompt(prompt.messages, prompt.tools)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
+        """Token ids of a chat rendered with the model's own template, ready for the reply."""
+        if not self.chat_template:
+            raise ValueError(f"the model {self.model_name} has no chat template; use a completion instead")
+        try:
+            text = render_chat(self.tokenizer, self.chat_template, messages, tools)
+        except Exception as exc:        # the template's own checks (role order, missing fields)
+            raise RequestRejected(f"the chat template rejected these messages: {exc}", "prompt") from exc
+        return self.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))

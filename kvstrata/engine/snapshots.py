@@ -1,0 +1,81 @@
+"""What the engine thread publishes for every other thread: the only engine state they may read.
+
+The engine thread owns the scheduler, the tiers, the pools and the tokenizer. Once per step (and
+after taking commands) it builds an `EngineSnapshot`, a new immutable record, and swaps the
+reference; the HTTP server's `/metrics`, its admission limit and the router's load figures read
+that reference and nothing else. `EngineInfo` holds what never changes once the engine is built.
+A reader may see a snapshot one step old, never a half-changed one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TypeVar
+
+from kvstrata.core.hashing import BlockHash
+from kvstrata.kvcache.block_pool import PoolCounts
+from kvstrata.kvcache.store_io import CacheStats
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts fixed at build time (the model, its limits, the hash chain the router recomputes)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    hash_root: BlockHash
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, for metrics and the CLI's figures (the engine thread's own; snapshots copy it)."""
+
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    audit_failures: int = 0
+    step_failures: int = 0
+    step_seconds: float = 0.0
+    schedule_seconds: float = 0.0      # of step_seconds: scheduling and admission
+    model_seconds: float = 0.0         # of step_seconds: the model and the sampler
+
+
+@dataclass(frozen=True)
+class RequestCounts:
+    """Unfinished requests by state (a family's samples waiting to fork are not counted)."""
+
+    running: int = 0
+    loading: int = 0
+    waiting: int = 0          # waiting or preempted
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine as of the end of one step. Every field is a copy: nothing here changes after publication."""
+
+    requests: RequestCounts
+    num_requests: int                       # unfinished requests, samples counted
+    queued_prompt_tokens: int               # prompt tokens admitted or queued, not yet computed
+    blocks: Mapping[str, PoolCounts]        # per tier: free, cached, used, in flight
+    cache: CacheStats
+    engine: EngineStats
+    num_preemptions: int
+    store_errors: Mapping[str, int] | None  # failed store calls as the store counts them; None without a store
+    num_unpersisted: int                    # full blocks not yet written to the store (see TierManager.persist)
+
+    @classmethod
+    def empty(cls) -> EngineSnapshot:
+        return cls(RequestCounts(), 0, 0, MappingProxyType({}), CacheStats(), EngineStats(), 0, None, 0)
+
+
+def copied(stats: T) -> T:
+    """A copy of a counters dataclass whose dict fields are copied too (the engine thread keeps counting)."""
+    return dataclasses.replace(stats, **{f.name: dict(getattr(stats, f.name)) for f in dataclasses.fields(stats)
+                                        if isinstance(getattr(stats, f.name), dict)})

@@ -1,0 +1,192 @@
+"""The request bodies of the OpenAI-compatible API (pydantic), with the checks a body can make alone.
+
+Parameters the OpenAI API defines but kvstrata does not implement are refused with 400, never
+silently ignored (see UNSUPPORTED); unknown fields are refused too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvstrata.core.sampling_params import MAX_SAMPLES, GrammarSpec, SamplingParams
+from kvstrata.entrypoints.openai.errors import ApiError
+from kvstrata.structured.grammar import compile_grammar, spec_from_request
+
+MAX_STOP = 16
+COMPLETION_MAX_TOKENS = 16      # /v1/completions without max_tokens, as OpenAI and vLLM
+
+# Defined by the OpenAI API, not implemented here: a request that sets one to a non-default value gets 400.
+UNSUPPORTED = {
+    "echo": False, "suffix": None, "logit_bias": None,
+    "functions": None, "function_call": None, "audio": None, "modalities": None, "prediction": None,
+    "web_search_options": None, "reasoning_effort": None, "service_tier": None, "store": None,
+    "metadata": None,
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingBody(BaseModel):
+    """Fields shared by chat and completions (OpenAI names, plus vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)               # extension (vLLM); 0 = off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # extension
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # extension
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None           # extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False                          # extension
+    min_tokens: int = Field(default=0, ge=0)          # extension
+    priority: int = 0                                 # extension: lower is served first (policy=priority)
+    response_format: dict[str, Any] | None = None     # text, json_object, json_schema (structured.py)
+    structured_outputs: dict[str, Any] | None = None  # extension (vLLM): json, regex, choice, grammar, json_object
+    guided_json: dict[str, Any] | str | None = None   # extension (vLLM before 0.12), as the four below
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    user: str | None = None                           # accepted; kvstrata keeps no per-user state
+    n: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)          # None: 1
+    best_of: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)    # sampled; the n best return
+    # Defined by OpenAI, refused unless default (see UNSUPPORTED).
+    echo: bool | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
+        return value
+
+    def refuse_unsupported(self) -> None:
+        for name, default in UNSUPPORTED.items():
+            value = getattr(self, name, default)
+            if value is None or value == default:
+                continue
+            raise ApiError(400, f"'{name}' is not supported by kvstrata", param=name)
+
+    def structured(self) -> GrammarSpec | None:
+        """The grammar the output must match, from whichever field asked for one."""
+        guided = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                         "guided_grammar")}
+        return spec_from_request(self.response_format, self.structured_outputs, guided)
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None,
+                 structured: GrammarSpec | None = None) -> SamplingParams:
+        """max_tokens None: up to the context length, resolved once the prompt is tokenized. The grammar
+        is compiled here, off the engine thread (the engine finds it cached)."""
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        params = SamplingParams(
+            max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(stops),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            n=self.n or 1, best_of=self.best_of, structured=structured,
+        ).validate()
+        if structured is not None:
+            compile_grammar(structured)
+        return params
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None      # None only for assistant (as OpenAI allows)
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None         # assistant: the calls it made (tool_calls.py)
+    tool_call_id: str | None = None                        # tool: the call this is the result of
+
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_calls is not None and (self.role != "assistant" or not all(
+                isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments"), str) for c in self.tool_calls)):
+            raise ValueError('tool_calls belong to assistant messages, each {"id", "type": "function", '
+                             '"function": {"name", "arguments"}}')
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt (encoded as /v1/completions encodes it) or chat messages."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        item: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            item["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            item["tool_call_id"] = m.tool_call_id
+        out.append(item)
+    return out

@@ -1,0 +1,137 @@
+"""The endpoints: OpenAI's /v1/chat/completions, /v1/completions and /v1/models[/{id}]; /health and
+/metrics; vLLM's /tokenize, /detokenize and /version; /v1/kv_events for routers.
+
+Handlers read only what the engine thread published (`engine.snapshot`, `engine.kv_events`, the
+build-time facts in ServerState) and tokenize with the server's own tokenizer (`state.prompts`).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvstrata import __version__
+from kvstrata.engine.prompts import ChatPrompt
+from kvstrata.entrypoints.openai.errors import ApiError, error_response
+from kvstrata.entrypoints.openai.protocol import (
+    COMPLETION_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_messages,
+)
+from kvstrata.entrypoints.openai.serving import check_common, check_model, respond
+from kvstrata.entrypoints.openai.state import ServerState
+from kvstrata.structured.tool_calls import ToolPlan
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvstrata
+
+
+@router.get("/health")
+async def health(request: Request):
+    engine = _state(request).engine
+    if engine.error is not None:
+        return error_response(503, f"engine failed: {engine.error!r}")
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/kv_events")
+async def kv_events(request: Request, since: int = 0, instance: str | None = None,
+                    timeout: float = Query(0.0, ge=0.0, le=30.0)):
+    """What the caches hold, for routers (kvstrata.engine.kv_events): long-polls up to `timeout` seconds."""
+    events = _state(request).engine.kv_events
+    if events is None:
+        raise ApiError(404, "this engine does not publish KV events")
+    return await events.poll(since, instance, timeout)
+
+
+@router.get("/version")
+async def version():
+    return {"version": __version__}
+
+
+def _card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvstrata",
+            "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    return {"object": "list", "data": [_card(_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str):
+    state = _state(request)
+    if model_id != state.model_name:
+        raise ApiError(404, f"the model '{model_id}' does not exist; this server serves '{state.model_name}'",
+                       param="model", code="model_not_found")
+    return _card(state)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request, body: TokenizeRequest):
+    state = _state(request)
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "send either 'prompt' or 'messages'", param="prompt")
+    try:
+        if body.messages is not None:
+            ids = state.prompts.chat_prompt(chat_messages(body.messages))
+        else:
+            ids = state.prompts.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="messages" if body.messages is not None else "prompt") from exc
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request, body: DetokenizeRequest):
+    state = _state(request)
+    check_model(state, body.model)
+    if any(not 0 <= t < state.vocab_size for t in body.tokens):
+        raise ApiError(400, f"token ids must be in [0, {state.vocab_size})", param="tokens")
+    return {"prompt": state.prompts.decode(body.tokens)}
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatRequest, request: Request):
+    state = _state(request)
+    check_common(state, body)
+    messages = chat_messages(body.messages)
+    try:
+        tools = ToolPlan.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    prompt = ChatPrompt(tuple(messages), tuple(tools.prompt_tools) if tools else ())
+    return await respond(state, request, body, prompt, max_tokens, logprobs, chat=True, tools=tools)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state = _state(request)
+    check_common(state, body)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, "batched prompts are not supported: send one request per prompt", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    return await respond(state, request, body, prompt, max_tokens, body.logprobs, chat=False)
