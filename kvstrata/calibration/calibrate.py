@@ -158,7 +158,7 @@ def _link(one: float, many: float, block_bytes: int, blocks: int = 32) -> Link:
 def _transfer_links(engine, timer: Callable[[], float]) -> tuple[Link, Link, Link, Link]:
     """The engine's own device -> host block copies (one block, then 32: latency and bandwidth);
     the time to encode one block's store record and to decode one (a bandwidth over the block's
-    bytes each: decoding checks and copies more, 0.10 against 0.063 ms here);
+    bytes each: decoding checks and copies more, so each has its own link);
     a disk store's loads of such records while the engine steps (`_store_link`)."""
     buffers = engine.runner.buffers
     block_bytes = engine.runner.spec.bytes_per_block
@@ -184,9 +184,8 @@ def _decode_step(engine) -> None:
 def _store_link(record: bytes, busy: Callable[[], None], repeat: int = 5) -> Link:
     """A disk store's loads: records just written, read back on a store thread while `busy` runs
     the engine's step loop (as a load runs), one then 32, the median of `repeat`, in wall time.
-    Measured here: 0.4-0.8 ms + 7-12 GB/s; the loads inside a validation replay averaged 1.3-1.7
-    GB/s (they share the store's threads with its writes, 0.3 ms a block), so this link is
-    optimistic for a store that is also writing."""
+    A store that is also writing shares its threads with the writes, so this link is optimistic
+    for it (figures in docs/design/simulator.md, "Calibration")."""
     with tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-") as folder, ThreadPoolExecutor(1) as thread:
         store = DiskStore(folder, 1024 * len(record))
         fresh = (i.to_bytes(16, "big") for i in itertools.count())

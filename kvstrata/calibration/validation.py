@@ -294,9 +294,9 @@ def _replay(engine, trace: list[TraceRequest], config: SimConfig, clock: str) ->
 class TransferWaits:
     """Wall time the engine spends blocked in `TierManager.wait_for_transfers` (a step that ran
     nothing waits there for its store transfers: that wait is real time, the rest of such a step is
-    engine-thread work like any other's). Timed whole in wall time instead, the admission step of a
-    request that loads its prefix from the store (host copies and record encodes, 6-8 ms of CPU)
-    took 9.6-22 ms with a neighbour on the other core, and the TTFT of every such request with it."""
+    engine-thread work like any other's). Timed whole in wall time instead, such a step carries a
+    neighbour's share of the core, and so does the TTFT of every request that loads its prefix from
+    the store (docs/design/simulator.md, "Validation")."""
 
     def __init__(self, tiers, clock: Callable[[], float] = time.perf_counter):
         self.seconds = 0.0
@@ -335,10 +335,9 @@ def fault_in_kv(engine) -> None:
     """Map every page of the engine's KV buffers now, as an idle server does soon after it starts
     (`PagedKVCache.map_pages`). They come lazily from calloc in 2 MiB transparent huge pages, and a
     block's K/V lies in every plane of every layer, so the first step that writes a fresh engine's
-    cache maps nearly all of it (measured on this machine: a 1,024-token prefill's KV write 25 ms
-    warm, 270-510 ms on a 360 MiB cache just allocated, ~2 ms per MiB mapped). That is a start-up
-    cost of the engine, not of the step; timed steps must not carry it, or the first request of
-    every replay and a calibration step or two do."""
+    cache maps nearly all of it, at many times its warm cost (docs/design/simulator.md,
+    "Validation"). That is a start-up cost of the engine, not of the step; timed steps must not
+    carry it, or the first request of every replay and a calibration step or two do."""
     for cache in engine.runner.buffers.caches.values():
         while cache.map_pages(1 << 30):
             pass

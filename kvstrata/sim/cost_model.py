@@ -60,16 +60,12 @@ class BatchShape(NamedTuple):
     of its segment (padded; `decode_pairs`) and of its group's prefix (`prefix_pairs`: a shared
     prefix is read once but attended by each member, in one matmul per group, cheaper per pair
     than a decode's own keys), in one batched call per segment and layer (`decode_segments`: a
-    decode step pays that fixed cost, a step of prefills alone does not). Before them a decode's
-    attention was priced only as a gather of its keys, and a roofline profile charged it no FLOPs;
-    refit on the same calibration steps of this CPU they move the fit by under 1% (its decode
-    attention is cheap beside the gather), but they keep it right where attention is not.
+    decode step pays that fixed cost, a step of prefills alone does not). These terms barely move
+    a CPU's fit, where decode attention is cheap beside the gather, but keep it right where it is not.
     A decode alone in its segment (one query row in the call: a batch of one, or the one decode
     left out of every group) attends each key at a higher price than a batched row does
-    (`lone_decode_pairs`; measured here 5.1 us per key against 4.4 in batches of 2-4): in one
-    quiet calibration single decodes fit 3.0% and 6.1% low at 1,040 and 2,064 tokens without it,
-    +1.2% and +1.4% with it; in the next, within its noise either way. A request decoding alone
-    is what TPOT at light load measures.
+    (`lone_decode_pairs`). A request decoding alone is what TPOT at light load measures.
+    The measurements behind these terms: docs/design/simulator.md ("The cost model").
     Every prefill chunk also costs a fixed amount (its own SDPA call and plan in every layer).
     An engine whose decodes read their blocks in place (`in_place`: the paged kernel,
     kvstrata.model.kernels) gathers only the groups' shared prefixes; each decode attends its own
@@ -142,12 +138,9 @@ def causal_pairs(n: int) -> int:
 
     It skips only whole key tiles past a query tile's last row, and masks inside the tiles it
     computes, so up to 512 tokens it computes all n^2 pairs, not the n (n + 1) / 2 that count;
-    beyond, a query tile computes every key tile it reaches. Measured (benchmarks/continued_prefill.py,
-    bf16, 1 thread): counted so, the causal path costs 0.92 us per pair against 0.91 for the
-    masked path of a chunk after cached tokens, as it should (the same kernel per pair); counted
-    as n (n + 1) / 2, fresh chunks of ~500 tokens fit 6-10% low and 1,024 tokens 2-4% high, and
-    the compromise moved the continued chunks' coefficients (the shipped profile's 170 grid steps
-    refit so: median error 2.5 -> 2.0%, p90 6.4 -> 5.2%).
+    beyond, a query tile computes every key tile it reaches. Counted so, a causal pair costs what a
+    masked one does (the same kernel per pair); counted as n (n + 1) / 2, fresh chunks misfit
+    (docs/design/simulator.md, "The cost model").
     """
     tile = next(size for rows, size in QUERY_TILES if n >= rows)
     keys = min(KEY_TILE, n)
@@ -235,8 +228,8 @@ class CostModel:
     overhead_s: float = 0.0
     device_cache_tokens: int | None = None       # what the device holds beside the weights, when known
     record_link: Link | None = None              # encode one block's store record, in the step
-    decode_link: Link | None = None              # decode one (None: as record_link); measured here
-                                                 # 0.09-0.10 ms a block against 0.05-0.06 to encode
+    decode_link: Link | None = None              # decode one (None: as record_link): it checks and copies
+                                                 # more than an encode (docs/design/simulator.md)
     fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
     decode_in_place: bool = False                # the engine fitted on read blocks in place (decodes, prefill chunks)
     machine: dict | None = None                  # a calibrated profile's CPU (kvstrata.core.machine) and engine dtype
