@@ -54,12 +54,13 @@ from kvstrata.core.config import EngineConfig
 from kvstrata.core.machine import machine as current_machine
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.stores.disk import DiskStore
-from kvstrata.sim.cost_model import BatchShape, CostModel, Link, fit, relative_errors
+from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.cost_model import CostModel, Link, fit, relative_errors
 
 logger = logging.getLogger(__name__)
 
 # prefix -> chunks; a short prefix with long chunks is a chat's first turn after a shared system prompt;
-# fresh chunks across 512 tokens pin the causal kernel's key tiles (cost_model.causal_pairs)
+# fresh chunks across 512 tokens pin the causal kernel's key tiles (batch_shape.causal_pairs)
 PREFILL_GRID = {0: (16, 128, 256, 512, 768, 1024), 32: (384, 992), 512: (128, 512), 1024: (16, 256, 512),
                 2048: (64, 256)}
 BURSTS = ((2, 256), (4, 64), (8, 16), (8, 96))                                    # (prompts, tokens each)

@@ -38,7 +38,8 @@ from pathlib import Path
 
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.sampling_params import SamplingParams
-from kvstrata.sim.cost_model import BatchShape, CostModel
+from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.simulator import TIERS, RequestRecord, SimConfig, Simulator, summarize
 from kvstrata.sim.traces import (
     TRACE_BLOCK,

@@ -32,13 +32,8 @@ from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
 from kvstrata.kvcache.tiers import PROBE_WAIT_S
 from kvstrata.model.attention import PagedAttention
-from kvstrata.sim.cost_model import (
-    KERNEL_TILE,
-    BatchShape,
-    CostModel,
-    Link,
-    causal_pairs,
-)
+from kvstrata.sim.batch_shape import KERNEL_TILE, BatchShape, causal_pairs
+from kvstrata.sim.cost_model import CostModel, Link
 from kvstrata.sim.simulator import SimConfig, Simulator
 from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
 from kvstrata.sim.traces import TraceRequest, TraceTokens, shrink

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from kvstrata.core.config import POLICIES, WRITE_POLICIES, parse_size
-from kvstrata.sim.cost_model import HARDWARE, MODELS, CostModel, roofline
+from kvstrata.sim.cost_model import CostModel
+from kvstrata.sim.roofline import HARDWARE, MODELS, roofline
 from kvstrata.sim.routing import ROUTERS
 from kvstrata.sim.simulator import SimConfig, SimResult, Simulator
 from kvstrata.sim.traces import read_mooncake
