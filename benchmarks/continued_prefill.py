@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kvstrata.calibration.validation import (
+from kvstrata.calibration.engine_replay import (
     BLOCK_SIZE,
     MAX_CHUNK,
     ShapeRecorder,

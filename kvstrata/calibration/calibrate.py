@@ -37,19 +37,18 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstrata.calibration.validation import (
+from kvstrata.calibration.engine_replay import (
     BLOCK_SIZE,
     CLOCKS,
     MAX_CHUNK,
-    SLICES,
     ShapeRecorder,
     loadavg,
     replay_on_engine,
-    slice_identity,
     speed_probe,
-    time_scale_for,
     warm_up,
 )
+from kvstrata.calibration.fitted_on import slice_identity
+from kvstrata.calibration.slices import SLICES, time_scale_for
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.machine import machine as current_machine
 from kvstrata.core.sampling_params import SamplingParams

@@ -15,17 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstrata.calibration.validation import (
+from kvstrata.calibration.engine_replay import ShapeRecorder, TransferWaits, fault_in_kv
+from kvstrata.calibration.fitted_on import (
     FittedOnError,
-    ShapeRecorder,
-    Slice,
-    TransferWaits,
     check_not_fitted_on,
-    fault_in_kv,
-    session_lines,
     slice_identity,
-    spread_ties,
 )
+from kvstrata.calibration.slices import Slice, session_lines, spread_ties
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.machine import machine as current_machine
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache

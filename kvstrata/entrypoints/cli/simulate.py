@@ -156,7 +156,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def run_validation(args: argparse.Namespace) -> int:
     """`--validate`: a slice at three loads (or one --time-scale), on the real engine and in the simulator."""
-    from kvstrata.calibration.validation import SLICES, validate
+    from kvstrata.calibration.slices import SLICES
+    from kvstrata.calibration.validation import validate
 
     cost = CostModel.load(args.profile or DEFAULT_PROFILE)
     elsewhere = cost.other_machine()
@@ -294,7 +295,7 @@ def add_calibrate(commands: argparse._SubParsersAction) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from kvstrata.calibration.calibrate import calibrate
-    from kvstrata.calibration.validation import SLICES
+    from kvstrata.calibration.slices import SLICES
 
     slices = tuple(name for name in args.fit_slices.split(",") if name)
     if set(slices) - set(SLICES):
