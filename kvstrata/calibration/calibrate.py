@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -86,56 +86,93 @@ def _timed(engine, recorder: ShapeRecorder, timer: Callable[[], float]) -> Itera
             yield recorder.last, seconds
 
 
+@dataclass
+class _GridRun:
+    """One pass over the grid: the engine it steps, how it is timed, and where its fresh prompts come from."""
+
+    engine: object
+    recorder: ShapeRecorder
+    timer: Callable[[], float]
+    rng: np.random.Generator
+    one: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=1, ignore_eos=True,
+                                                                       temperature=0.0))
+    decode: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=DECODE_STEPS + 1,
+                                                                          ignore_eos=True, temperature=0.0))
+
+    def tokens(self, n: int) -> list[int]:
+        return _tokens(self.rng, n, self.engine.loaded.arch.vocab_size)
+
+    def run(self) -> Iterator[tuple[BatchShape, float]]:
+        return _timed(self.engine, self.recorder, self.timer)
+
+
 def _grid_run(engine, recorder: ShapeRecorder, timer: Callable[[], float],
               seed: int) -> list[tuple[BatchShape, float]]:
     """One pass over the grid with prompts no earlier pass has cached."""
-    rng, vocab = np.random.default_rng(seed), engine.loaded.arch.vocab_size
-    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    grid = _GridRun(engine, recorder, timer, np.random.default_rng(seed))
+    return [*_prefills(grid), *_bursts(grid), *_decodes(grid), *_mixed(grid)]
+
+
+def _prefills(grid: _GridRun) -> list[tuple[BatchShape, float]]:
+    """PREFILL_GRID: each prefix computed and cached, then each chunk after it."""
     points: list[tuple[BatchShape, float]] = []
-
-    def run() -> Iterator[tuple[BatchShape, float]]:
-        return _timed(engine, recorder, timer)
-
     for prefix, chunks in PREFILL_GRID.items():
-        shared = _tokens(rng, prefix, vocab)
+        shared = grid.tokens(prefix)
         if prefix:
-            engine.add_request(shared + _tokens(rng, 1, vocab), one)        # computes and caches the prefix
-            points += run()
+            grid.engine.add_request(shared + grid.tokens(1), grid.one)      # computes and caches the prefix
+            points += grid.run()
         for n in chunks:
-            engine.add_request(shared + _tokens(rng, n, vocab), one)
-            points += run()
-    decode = SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True, temperature=0.0)
+            grid.engine.add_request(shared + grid.tokens(n), grid.one)
+            points += grid.run()
+    return points
+
+
+def _bursts(grid: _GridRun) -> list[tuple[BatchShape, float]]:
+    """BURSTS: prompts arriving together, prefilled in one step."""
+    points: list[tuple[BatchShape, float]] = []
     for prompts, n in BURSTS:
         for _ in range(prompts):
-            engine.add_request(_tokens(rng, n, vocab), one)
-        points += run()
+            grid.engine.add_request(grid.tokens(n), grid.one)
+        points += grid.run()
+    return points
+
+
+def _decodes(grid: _GridRun) -> list[tuple[BatchShape, float]]:
+    """DECODE_GRID (batches sharing all but their last block), then DISTINCT_DECODES (nothing shared)."""
+    points: list[tuple[BatchShape, float]] = []
     for context, batches in DECODE_GRID.items():
-        shared = _tokens(rng, context - BLOCK_SIZE, vocab)
-        engine.add_request(shared + _tokens(rng, 1, vocab), one)            # the batch shares this prefix
-        points += run()
+        shared = grid.tokens(context - BLOCK_SIZE)
+        grid.engine.add_request(shared + grid.tokens(1), grid.one)          # the batch shares this prefix
+        points += grid.run()
         for batch in batches:
             for _ in range(batch):
-                engine.add_request(shared + _tokens(rng, BLOCK_SIZE, vocab), decode)
-            points += run()
+                grid.engine.add_request(shared + grid.tokens(BLOCK_SIZE), grid.decode)
+            points += grid.run()
     for context, batches in DISTINCT_DECODES.items():
         for batch in batches:
             for _ in range(batch):
-                engine.add_request(_tokens(rng, context, vocab), decode)
-            points += run()
+                grid.engine.add_request(grid.tokens(context), grid.decode)
+            points += grid.run()
+    return points
+
+
+def _mixed(grid: _GridRun) -> list[tuple[BatchShape, float]]:
+    """MIXED: a batch brought to decoding, then a fresh prefill joins it."""
+    points: list[tuple[BatchShape, float]] = []
     for batch, context, prefill, shared_prefix in MIXED:
-        shared = _tokens(rng, context - BLOCK_SIZE, vocab) if shared_prefix else []
+        shared = grid.tokens(context - BLOCK_SIZE) if shared_prefix else []
         if shared_prefix:
-            engine.add_request(shared + _tokens(rng, 1, vocab), one)
-            points += run()
+            grid.engine.add_request(shared + grid.tokens(1), grid.one)
+            points += grid.run()
         for _ in range(batch):
-            engine.add_request(shared + _tokens(rng, context - len(shared), vocab), decode)
-        steps = run()
+            grid.engine.add_request(shared + grid.tokens(context - len(shared)), grid.decode)
+        steps = grid.run()
         for point in steps:                                                # its prefills, then a decode step
             points.append(point)
             if point[0].prefill_tokens == 0:
                 break
         points.append(next(steps))                                         # the batch is decoding now
-        engine.add_request(_tokens(rng, prefill, vocab), one)
+        grid.engine.add_request(grid.tokens(prefill), grid.one)
         points += steps
     return points
 
@@ -241,19 +278,11 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
     warm_up(engine)
-    runs = [_grid_run(engine, recorder, CLOCKS[clock], seed=run + 1) for run in range(repeat)]
-    shapes = [shape for shape, _ in runs[0]]
-    if any([shape for shape, _ in run] != shapes for run in runs):
-        raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
-    seconds = [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
+    shapes, seconds = _grid_medians(engine, recorder, CLOCKS[clock], repeat)
     spec = recorder.runner.spec
     host_link, record_link, decode_link, store_link = _transfer_links(engine, CLOCKS[clock])
     probe = speed_probe(engine, CLOCKS[clock])
-    fitted_on = [{"kind": "grid", "steps": len(shapes), "repeat": repeat, "probe_s": round(probe, 6),
-                  "loadavg": loadavg(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "prefill": {str(k): v for k, v in PREFILL_GRID.items()}, "bursts": BURSTS,
-                  "decode": {str(k): v for k, v in DECODE_GRID.items()},
-                  "distinct_decodes": {str(k): v for k, v in DISTINCT_DECODES.items()}, "mixed": MIXED}]
+    fitted_on = [_grid_identity(len(shapes), repeat, probe)]
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
                    store_link=store_link, record_link=record_link, decode_link=decode_link,
                    decode_in_place=recorder.runner.decodes_in_place,
@@ -264,7 +293,36 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
                            f" timed by {CLOCK_NAMES[clock]}; store link: a disk store in {tempfile.gettempdir()}"))
     loaded = engine.loaded
     engine.close()
-    for name in slices:
+    fitted_on += _replay_slices(trace, slices, shapes, seconds, profile, threads, clock, loaded)
+    model = fit(shapes, seconds, fitted_on=tuple(fitted_on), **profile)
+    return Calibration(model, shapes, seconds)
+
+
+def _grid_medians(engine, recorder: ShapeRecorder, timer: Callable[[], float],
+                  repeat: int) -> tuple[list[BatchShape], list[float]]:
+    """`repeat` passes over the grid: its steps' shapes, and each step's median time."""
+    runs = [_grid_run(engine, recorder, timer, seed=run + 1) for run in range(repeat)]
+    shapes = [shape for shape, _ in runs[0]]
+    if any([shape for shape, _ in run] != shapes for run in runs):
+        raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
+    return shapes, [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
+
+
+def _grid_identity(steps: int, repeat: int, probe: float) -> dict:
+    """What `fitted_on` records of the grid, with the speed probe and the load average it ran beside."""
+    return {"kind": "grid", "steps": steps, "repeat": repeat, "probe_s": round(probe, 6),
+            "loadavg": loadavg(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "prefill": {str(k): v for k, v in PREFILL_GRID.items()}, "bursts": BURSTS,
+            "decode": {str(k): v for k, v in DECODE_GRID.items()},
+            "distinct_decodes": {str(k): v for k, v in DISTINCT_DECODES.items()}, "mixed": MIXED}
+
+
+def _replay_slices(trace: str | Path | None, names: tuple[str, ...], shapes: list[BatchShape], seconds: list[float],
+                   profile: dict, threads: int | None, clock: str, loaded) -> list[dict]:
+    """Replay each named slice on the engine at load 1.0 (as the profile fitted so far reckons it),
+    adding its steps to `shapes` and `seconds`; returns what `fitted_on` records of each."""
+    identities = []
+    for name in names:
         if trace is None:
             raise ValueError("fitting on trace slices needs --trace")
         requests, lines = SLICES[name].load(trace)
@@ -273,6 +331,5 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
         run = replay_on_engine(requests, SLICES[name].sim_config(), threads, clock, loaded)
         shapes += [shape for shape, _ in run.steps]
         seconds += [t for _, t in run.steps]
-        fitted_on.append(slice_identity(trace, name, lines))
-    model = fit(shapes, seconds, fitted_on=tuple(fitted_on), **profile)
-    return Calibration(model, shapes, seconds)
+        identities.append(slice_identity(trace, name, lines))
+    return identities
