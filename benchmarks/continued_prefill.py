@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kvstrata.calibration.validation import (
+from kvstrata.calibration.engine_replay import (
     BLOCK_SIZE,
     MAX_CHUNK,
     ShapeRecorder,
@@ -31,7 +31,8 @@ from kvstrata.calibration.validation import (
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.sim.cost_model import BatchShape, CostModel
+from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.cost_model import CostModel
 
 PREFIXES = (0, 32, 128, 256, 512, 768, 1008)
 CHUNKS = (16, 64, 128, 256, 512, 1024)

@@ -32,34 +32,34 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from kvstrata.calibration.validation import (
+from kvstrata.calibration.engine_replay import (
     BLOCK_SIZE,
     CLOCKS,
     MAX_CHUNK,
-    SLICES,
     ShapeRecorder,
     loadavg,
     replay_on_engine,
-    slice_identity,
     speed_probe,
-    time_scale_for,
     warm_up,
 )
+from kvstrata.calibration.fitted_on import slice_identity
+from kvstrata.calibration.slices import SLICES, time_scale_for
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.machine import machine as current_machine
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.stores.disk import DiskStore
-from kvstrata.sim.cost_model import BatchShape, CostModel, Link, fit, relative_errors
+from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.cost_model import CostModel, Link, fit, relative_errors
 
 logger = logging.getLogger(__name__)
 
 # prefix -> chunks; a short prefix with long chunks is a chat's first turn after a shared system prompt;
-# fresh chunks across 512 tokens pin the causal kernel's key tiles (cost_model.causal_pairs)
+# fresh chunks across 512 tokens pin the causal kernel's key tiles (batch_shape.causal_pairs)
 PREFILL_GRID = {0: (16, 128, 256, 512, 768, 1024), 32: (384, 992), 512: (128, 512), 1024: (16, 256, 512),
                 2048: (64, 256)}
 BURSTS = ((2, 256), (4, 64), (8, 16), (8, 96))                                    # (prompts, tokens each)
@@ -86,56 +86,93 @@ def _timed(engine, recorder: ShapeRecorder, timer: Callable[[], float]) -> Itera
             yield recorder.last, seconds
 
 
+@dataclass
+class _GridRun:
+    """One pass over the grid: the engine it steps, how it is timed, and where its fresh prompts come from."""
+
+    engine: object
+    recorder: ShapeRecorder
+    timer: Callable[[], float]
+    rng: np.random.Generator
+    one: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=1, ignore_eos=True,
+                                                                       temperature=0.0))
+    decode: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=DECODE_STEPS + 1,
+                                                                          ignore_eos=True, temperature=0.0))
+
+    def tokens(self, n: int) -> list[int]:
+        return _tokens(self.rng, n, self.engine.loaded.arch.vocab_size)
+
+    def run(self) -> Iterator[tuple[BatchShape, float]]:
+        return _timed(self.engine, self.recorder, self.timer)
+
+
 def _grid_run(engine, recorder: ShapeRecorder, timer: Callable[[], float],
               seed: int) -> list[tuple[BatchShape, float]]:
     """One pass over the grid with prompts no earlier pass has cached."""
-    rng, vocab = np.random.default_rng(seed), engine.loaded.arch.vocab_size
-    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    grid = _GridRun(engine, recorder, timer, np.random.default_rng(seed))
+    return [*_prefills(grid), *_bursts(grid), *_decodes(grid), *_mixed(grid)]
+
+
+def _prefills(grid: _GridRun) -> list[tuple[BatchShape, float]]:
+    """PREFILL_GRID: each prefix computed and cached, then each chunk after it."""
     points: list[tuple[BatchShape, float]] = []
-
-    def run() -> Iterator[tuple[BatchShape, float]]:
-        return _timed(engine, recorder, timer)
-
     for prefix, chunks in PREFILL_GRID.items():
-        shared = _tokens(rng, prefix, vocab)
+        shared = grid.tokens(prefix)
         if prefix:
-            engine.add_request(shared + _tokens(rng, 1, vocab), one)        # computes and caches the prefix
-            points += run()
+            grid.engine.add_request(shared + grid.tokens(1), grid.one)      # computes and caches the prefix
+            points += grid.run()
         for n in chunks:
-            engine.add_request(shared + _tokens(rng, n, vocab), one)
-            points += run()
-    decode = SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True, temperature=0.0)
+            grid.engine.add_request(shared + grid.tokens(n), grid.one)
+            points += grid.run()
+    return points
+
+
+def _bursts(grid: _GridRun) -> list[tuple[BatchShape, float]]:
+    """BURSTS: prompts arriving together, prefilled in one step."""
+    points: list[tuple[BatchShape, float]] = []
     for prompts, n in BURSTS:
         for _ in range(prompts):
-            engine.add_request(_tokens(rng, n, vocab), one)
-        points += run()
+            grid.engine.add_request(grid.tokens(n), grid.one)
+        points += grid.run()
+    return points
+
+
+def _decodes(grid: _GridRun) -> list[tuple[BatchShape, float]]:
+    """DECODE_GRID (batches sharing all but their last block), then DISTINCT_DECODES (nothing shared)."""
+    points: list[tuple[BatchShape, float]] = []
     for context, batches in DECODE_GRID.items():
-        shared = _tokens(rng, context - BLOCK_SIZE, vocab)
-        engine.add_request(shared + _tokens(rng, 1, vocab), one)            # the batch shares this prefix
-        points += run()
+        shared = grid.tokens(context - BLOCK_SIZE)
+        grid.engine.add_request(shared + grid.tokens(1), grid.one)          # the batch shares this prefix
+        points += grid.run()
         for batch in batches:
             for _ in range(batch):
-                engine.add_request(shared + _tokens(rng, BLOCK_SIZE, vocab), decode)
-            points += run()
+                grid.engine.add_request(shared + grid.tokens(BLOCK_SIZE), grid.decode)
+            points += grid.run()
     for context, batches in DISTINCT_DECODES.items():
         for batch in batches:
             for _ in range(batch):
-                engine.add_request(_tokens(rng, context, vocab), decode)
-            points += run()
+                grid.engine.add_request(grid.tokens(context), grid.decode)
+            points += grid.run()
+    return points
+
+
+def _mixed(grid: _GridRun) -> list[tuple[BatchShape, float]]:
+    """MIXED: a batch brought to decoding, then a fresh prefill joins it."""
+    points: list[tuple[BatchShape, float]] = []
     for batch, context, prefill, shared_prefix in MIXED:
-        shared = _tokens(rng, context - BLOCK_SIZE, vocab) if shared_prefix else []
+        shared = grid.tokens(context - BLOCK_SIZE) if shared_prefix else []
         if shared_prefix:
-            engine.add_request(shared + _tokens(rng, 1, vocab), one)
-            points += run()
+            grid.engine.add_request(shared + grid.tokens(1), grid.one)
+            points += grid.run()
         for _ in range(batch):
-            engine.add_request(shared + _tokens(rng, context - len(shared), vocab), decode)
-        steps = run()
+            grid.engine.add_request(shared + grid.tokens(context - len(shared)), grid.decode)
+        steps = grid.run()
         for point in steps:                                                # its prefills, then a decode step
             points.append(point)
             if point[0].prefill_tokens == 0:
                 break
         points.append(next(steps))                                         # the batch is decoding now
-        engine.add_request(_tokens(rng, prefill, vocab), one)
+        grid.engine.add_request(grid.tokens(prefill), grid.one)
         points += steps
     return points
 
@@ -158,7 +195,7 @@ def _link(one: float, many: float, block_bytes: int, blocks: int = 32) -> Link:
 def _transfer_links(engine, timer: Callable[[], float]) -> tuple[Link, Link, Link, Link]:
     """The engine's own device -> host block copies (one block, then 32: latency and bandwidth);
     the time to encode one block's store record and to decode one (a bandwidth over the block's
-    bytes each: decoding checks and copies more, 0.10 against 0.063 ms here);
+    bytes each: decoding checks and copies more, so each has its own link);
     a disk store's loads of such records while the engine steps (`_store_link`)."""
     buffers = engine.runner.buffers
     block_bytes = engine.runner.spec.bytes_per_block
@@ -184,9 +221,8 @@ def _decode_step(engine) -> None:
 def _store_link(record: bytes, busy: Callable[[], None], repeat: int = 5) -> Link:
     """A disk store's loads: records just written, read back on a store thread while `busy` runs
     the engine's step loop (as a load runs), one then 32, the median of `repeat`, in wall time.
-    Measured here: 0.4-0.8 ms + 7-12 GB/s; the loads inside a validation replay averaged 1.3-1.7
-    GB/s (they share the store's threads with its writes, 0.3 ms a block), so this link is
-    optimistic for a store that is also writing."""
+    A store that is also writing shares its threads with the writes, so this link is optimistic
+    for it (figures in docs/design/simulator.md, "Calibration")."""
     with tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-") as folder, ThreadPoolExecutor(1) as thread:
         store = DiskStore(folder, 1024 * len(record))
         fresh = (i.to_bytes(16, "big") for i in itertools.count())
@@ -242,19 +278,11 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
     warm_up(engine)
-    runs = [_grid_run(engine, recorder, CLOCKS[clock], seed=run + 1) for run in range(repeat)]
-    shapes = [shape for shape, _ in runs[0]]
-    if any([shape for shape, _ in run] != shapes for run in runs):
-        raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
-    seconds = [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
+    shapes, seconds = _grid_medians(engine, recorder, CLOCKS[clock], repeat)
     spec = recorder.runner.spec
     host_link, record_link, decode_link, store_link = _transfer_links(engine, CLOCKS[clock])
     probe = speed_probe(engine, CLOCKS[clock])
-    fitted_on = [{"kind": "grid", "steps": len(shapes), "repeat": repeat, "probe_s": round(probe, 6),
-                  "loadavg": loadavg(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "prefill": {str(k): v for k, v in PREFILL_GRID.items()}, "bursts": BURSTS,
-                  "decode": {str(k): v for k, v in DECODE_GRID.items()},
-                  "distinct_decodes": {str(k): v for k, v in DISTINCT_DECODES.items()}, "mixed": MIXED}]
+    fitted_on = [_grid_identity(len(shapes), repeat, probe)]
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
                    store_link=store_link, record_link=record_link, decode_link=decode_link,
                    decode_in_place=recorder.runner.decodes_in_place,
@@ -265,7 +293,36 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
                            f" timed by {CLOCK_NAMES[clock]}; store link: a disk store in {tempfile.gettempdir()}"))
     loaded = engine.loaded
     engine.close()
-    for name in slices:
+    fitted_on += _replay_slices(trace, slices, shapes, seconds, profile, threads, clock, loaded)
+    model = fit(shapes, seconds, fitted_on=tuple(fitted_on), **profile)
+    return Calibration(model, shapes, seconds)
+
+
+def _grid_medians(engine, recorder: ShapeRecorder, timer: Callable[[], float],
+                  repeat: int) -> tuple[list[BatchShape], list[float]]:
+    """`repeat` passes over the grid: its steps' shapes, and each step's median time."""
+    runs = [_grid_run(engine, recorder, timer, seed=run + 1) for run in range(repeat)]
+    shapes = [shape for shape, _ in runs[0]]
+    if any([shape for shape, _ in run] != shapes for run in runs):
+        raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
+    return shapes, [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
+
+
+def _grid_identity(steps: int, repeat: int, probe: float) -> dict:
+    """What `fitted_on` records of the grid, with the speed probe and the load average it ran beside."""
+    return {"kind": "grid", "steps": steps, "repeat": repeat, "probe_s": round(probe, 6),
+            "loadavg": loadavg(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "prefill": {str(k): v for k, v in PREFILL_GRID.items()}, "bursts": BURSTS,
+            "decode": {str(k): v for k, v in DECODE_GRID.items()},
+            "distinct_decodes": {str(k): v for k, v in DISTINCT_DECODES.items()}, "mixed": MIXED}
+
+
+def _replay_slices(trace: str | Path | None, names: tuple[str, ...], shapes: list[BatchShape], seconds: list[float],
+                   profile: dict, threads: int | None, clock: str, loaded) -> list[dict]:
+    """Replay each named slice on the engine at load 1.0 (as the profile fitted so far reckons it),
+    adding its steps to `shapes` and `seconds`; returns what `fitted_on` records of each."""
+    identities = []
+    for name in names:
         if trace is None:
             raise ValueError("fitting on trace slices needs --trace")
         requests, lines = SLICES[name].load(trace)
@@ -274,6 +331,5 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
         run = replay_on_engine(requests, SLICES[name].sim_config(), threads, clock, loaded)
         shapes += [shape for shape, _ in run.steps]
         seconds += [t for _, t in run.steps]
-        fitted_on.append(slice_identity(trace, name, lines))
-    model = fit(shapes, seconds, fitted_on=tuple(fitted_on), **profile)
-    return Calibration(model, shapes, seconds)
+        identities.append(slice_identity(trace, name, lines))
+    return identities

@@ -6,11 +6,10 @@
 
 Two sources of coefficients, and every profile says which in `source`:
 - *calibrated*: a non-negative least-squares fit of the real engine's step times over a grid of
-  batch shapes on this machine (`kvstrata calibrate`); all terms in `compute`, `memory` empty.
-- *roofline*: derived from a hardware description (peak FLOP/s, memory bandwidth, links) and the
-  model's size, for machines we cannot run. Compute: 2 FLOPs per parameter per token plus attention
-  FLOPs per query-key pair, at `flops_efficiency` of peak; memory: the weights once per step plus
-  the KV of every context read, at `bandwidth_efficiency` of peak; a step costs the slower of the two.
+  batch shapes on this machine (`kvstrata calibrate`, with `fit` here); all terms in `compute`,
+  `memory` empty.
+- *roofline*: derived from a hardware description and the model's size, for machines we cannot
+  run (`kvstrata.sim.roofline`); a step costs the slower of compute and memory.
 
 Moving KV costs `latency + bytes / bandwidth` on a `Link`: device <-> host copies on `host_link`,
 store I/O on `store_link`; a block's bytes come from `kv_bytes_per_token`. Encoding a block's store
@@ -26,191 +25,20 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
 from kvstrata.core.machine import machine as current_machine
-from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
+from kvstrata.sim.batch_shape import BatchShape
 
 logger = logging.getLogger(__name__)
 
-KERNEL_TILE = 16   # keys the paged decode kernel attends at a time (W in kvstrata/model/csrc/paged_attention.cpp)
 FEATURES = ("step", "prefill_tokens", "decode_seqs", "kv_tokens_read", "attention_pairs", "masked_pairs",
             "prefill_chunks", "decode_groups", "decode_pairs", "decode_segments", "lone_decode_pairs",
             "prefix_pairs")
-
-
-class BatchShape(NamedTuple):
-    """What a step computes, counted the way the runner and `PagedAttention` do the work.
-
-    A chunk of one token is a decode (the runner batches it as one). The attention paths differ
-    in cost per pair, so they are separate features:
-    - a chunk that starts its sequence runs causal SDPA on its own K/V, no gather: the pairs the
-      kernel computes (`causal_pairs`: whole key tiles up to the diagonal, n^2 up to 512 tokens);
-    - a chunk after cached or computed tokens gathers its sequence's blocks and runs masked SDPA over
-      all of them: n x (its blocks x block size) pairs, every one computed, and those keys read;
-    - decodes read their blocks in segments padded to the longest member, and a group of decodes
-      sharing prefix blocks (cascade attention, `group_decodes`) reads that prefix once, at a
-      fixed cost per group (its attention is written out, not one SDPA, plus a merge, every layer).
-    Decode attention is its own work beside the gather: one query row per decode against every key
-    of its segment (padded; `decode_pairs`) and of its group's prefix (`prefix_pairs`: a shared
-    prefix is read once but attended by each member, in one matmul per group, cheaper per pair
-    than a decode's own keys), in one batched call per segment and layer (`decode_segments`: a
-    decode step pays that fixed cost, a step of prefills alone does not). Before them a decode's
-    attention was priced only as a gather of its keys, and a roofline profile charged it no FLOPs;
-    refit on the same calibration steps of this CPU they move the fit by under 1% (its decode
-    attention is cheap beside the gather), but they keep it right where attention is not.
-    A decode alone in its segment (one query row in the call: a batch of one, or the one decode
-    left out of every group) attends each key at a higher price than a batched row does
-    (`lone_decode_pairs`; measured here 5.1 us per key against 4.4 in batches of 2-4): in one
-    quiet calibration single decodes fit 3.0% and 6.1% low at 1,040 and 2,064 tokens without it,
-    +1.2% and +1.4% with it; in the next, within its noise either way. A request decoding alone
-    is what TPOT at light load measures.
-    Every prefill chunk also costs a fixed amount (its own SDPA call and plan in every layer).
-    An engine whose decodes read their blocks in place (`in_place`: the paged kernel,
-    kvstrata.model.kernels) gathers only the groups' shared prefixes; each decode attends its own
-    keys unpadded (16-key tiles from its group's prefix on), all decodes in one call per layer
-    (one segment), and a lone decode is a step with a single decode (its kv heads are the only
-    work items the threads share). Its prefill chunks, fresh or not, go through the kernel too
-    (`kernel_pairs`): each position attends the 16-key tiles up to its own, no mask, no padding
-    to blocks, so they count as `attention_pairs`, and each chunk reads its keys once (its tiles,
-    made ready for many rows) into `kv_tokens_read`.
-    """
-
-    prefill_tokens: int = 0
-    decode_seqs: int = 0
-    kv_tokens_read: int = 0       # KV tokens gathered: decode segments (padded) and their shared
-                                  # prefixes, and the blocks of each chunk that continues a sequence
-                                  # (in place: every chunk's keys, to its last 16-key tile)
-    attention_pairs: int = 0      # query-key pairs computed for chunks that start a sequence (causal_pairs);
-                                  # in place: for every chunk (kernel_pairs)
-    masked_pairs: int = 0         # query-key pairs of chunks that continue one (masked, padded to blocks)
-    prefill_chunks: int = 0
-    decode_groups: int = 0        # cascade groups of decodes sharing a prefix
-    decode_pairs: int = 0         # query-key pairs of decodes' own keys: padded segments (in place: 16-key tiles)
-    decode_segments: int = 0      # batched decode attention calls per layer: grouped decodes, the others
-    lone_decode_pairs: int = 0    # of decode_pairs, those of a segment of one decode
-    prefix_pairs: int = 0         # query-key pairs of groups' shared prefixes, once per member
-
-    @classmethod
-    def of(cls, chunks: Iterable, block_size: int, in_place: bool = False) -> BatchShape:
-        """The shape of a step's `ScheduledChunk`s; `in_place`: decodes read their blocks in place."""
-        prefill = kv = fresh = masked = count = 0
-        decodes = []
-        for chunk in chunks:
-            n, start = len(chunk.token_ids), chunk.start
-            if n == 1:
-                decodes.append(chunk)
-                continue
-            prefill += n
-            count += 1
-            if in_place:
-                fresh += kernel_pairs(start, n)
-                kv += -(-(start + n) // KERNEL_TILE) * KERNEL_TILE
-            elif start == 0:
-                fresh += causal_pairs(n)
-            else:
-                keys = -(-(start + n) // block_size) * block_size
-                kv += keys
-                masked += n * keys
-        work = _decode_work(decodes, block_size, in_place)
-        return cls(prefill, len(decodes), kv + work.reads, fresh, masked, count, work.groups, work.pairs,
-                   work.segments, work.lone_pairs, work.prefix_pairs)
-
-    @classmethod
-    def alone(cls, start: int, n: int, block_size: int, in_place: bool = False) -> BatchShape:
-        """The shape of a step that runs one chunk of n tokens from position `start` and nothing else."""
-        return cls.of([_Chunk(start, range(n), ())], block_size, in_place)
-
-    def features(self) -> tuple[float, ...]:
-        return (1.0, *self)
-
-
-# torch's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), which the runner's
-# causal SDPA of a chunk that starts its sequence runs: keys in tiles of 512, queries in tiles of 32,
-# 64 or 256 by the chunk's length
-KEY_TILE = 512
-QUERY_TILES = ((768, 256), (192, 64), (0, 32))       # (from this many query rows, the tile)
-
-
-def causal_pairs(n: int) -> int:
-    """Query-key pairs the causal kernel computes for a chunk of n tokens attending to itself.
-
-    It skips only whole key tiles past a query tile's last row, and masks inside the tiles it
-    computes, so up to 512 tokens it computes all n^2 pairs, not the n (n + 1) / 2 that count;
-    beyond, a query tile computes every key tile it reaches. Measured (benchmarks/continued_prefill.py,
-    bf16, 1 thread): counted so, the causal path costs 0.92 us per pair against 0.91 for the
-    masked path of a chunk after cached tokens, as it should (the same kernel per pair); counted
-    as n (n + 1) / 2, fresh chunks of ~500 tokens fit 6-10% low and 1,024 tokens 2-4% high, and
-    the compromise moved the continued chunks' coefficients (the shipped profile's 170 grid steps
-    refit so: median error 2.5 -> 2.0%, p90 6.4 -> 5.2%).
-    """
-    tile = next(size for rows, size in QUERY_TILES if n >= rows)
-    keys = min(KEY_TILE, n)
-    return sum(min(tile, n - first) * min(-(-min(first + tile, n) // keys) * keys, n)
-               for first in range(0, n, tile))
-
-
-def kernel_pairs(start: int, n: int) -> int:
-    """Query-key pairs the paged kernel computes for a chunk of n positions after `start` others:
-    position i attends the 16-key tiles up to its own key, start + i + 1 keys rounded up."""
-    def upto(keys: int) -> int:                       # sum over k = 1 .. keys of k rounded up to a tile
-        tiles, rest = divmod(keys, KERNEL_TILE)
-        return KERNEL_TILE * (KERNEL_TILE * tiles * (tiles + 1) // 2 + rest * (tiles + 1))
-    return upto(start + n) - upto(start)
-
-
-class _Chunk(NamedTuple):
-    """What BatchShape.of reads of a `ScheduledChunk`."""
-
-    start: int
-    token_ids: Sequence[int]
-    block_ids: Sequence[int]
-
-
-class _DecodeWork(NamedTuple):
-    reads: int          # KV tokens gathered
-    groups: int
-    pairs: int          # of decodes' own keys
-    segments: int
-    lone_pairs: int     # pairs of segments of one decode
-    prefix_pairs: int   # of groups' shared prefixes, per member
-
-
-def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeWork:
-    """What the decodes cost as the runner forms them: KV tokens gathered (each segment padded to
-    its longest member, shared prefixes once; in place: the prefixes only), cascade groups,
-    query-key pairs attended (each prefix once per member) and batched attention segments."""
-    if not decodes:
-        return _DecodeWork(0, 0, 0, 0, 0, 0)
-    seq_lens = [d.start + 1 for d in decodes]
-    blocks = [-(-n // block_size) for n in seq_lens]
-    if len(decodes) < 2:
-        keys = -(-seq_lens[0] // KERNEL_TILE) * KERNEL_TILE if in_place else blocks[0] * block_size
-        return _DecodeWork(0 if in_place else keys, 0, keys, 1, keys, 0)
-    order, groups = group_decodes([d.block_ids for d in decodes], seq_lens, block_size, group_cost_tokens(in_place))
-    grouped = groups[-1].end if groups else 0
-    own = [blocks[i] for i in order]             # blocks each row reads itself, in batch order
-    first = [0] * len(decodes)                   # each row's first key after its group's prefix
-    shared = shared_pairs = 0
-    for group in groups:
-        shared += group.prefix_blocks
-        shared_pairs += (group.end - group.start) * group.prefix_blocks
-        for row in range(group.start, group.end):
-            own[row] -= group.prefix_blocks
-            first[row] = group.prefix_blocks * block_size
-    if in_place:
-        tiles = sum(-(-seq_lens[i] // KERNEL_TILE) - f // KERNEL_TILE for i, f in zip(order, first))
-        return _DecodeWork(shared * block_size, len(groups), tiles * KERNEL_TILE, 1, 0, shared_pairs * block_size)
-    segments = [(start, end) for start, end in ((0, grouped), (grouped, len(decodes))) if end > start]
-    padded = sum((end - start) * max(own[start:end]) for start, end in segments)
-    lone = sum(own[start] for start, end in segments if end - start == 1)
-    return _DecodeWork((padded + shared) * block_size, len(groups), padded * block_size, len(segments),
-                       lone * block_size, shared_pairs * block_size)
 
 
 @dataclass(frozen=True)
@@ -235,8 +63,8 @@ class CostModel:
     overhead_s: float = 0.0
     device_cache_tokens: int | None = None       # what the device holds beside the weights, when known
     record_link: Link | None = None              # encode one block's store record, in the step
-    decode_link: Link | None = None              # decode one (None: as record_link); measured here
-                                                 # 0.09-0.10 ms a block against 0.05-0.06 to encode
+    decode_link: Link | None = None              # decode one (None: as record_link): it checks and copies
+                                                 # more than an encode (docs/design/simulator.md)
     fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
     decode_in_place: bool = False                # the engine fitted on read blocks in place (decodes, prefill chunks)
     machine: dict | None = None                  # a calibrated profile's CPU (kvstrata.core.machine) and engine dtype
@@ -348,87 +176,3 @@ def fit(shapes: Sequence[BatchShape], seconds: Sequence[float], **profile) -> Co
 def relative_errors(model: CostModel, shapes: Sequence[BatchShape], seconds: Sequence[float]) -> np.ndarray:
     predicted = np.array([model.step_seconds(s) for s in shapes])
     return predicted / np.asarray(seconds) - 1.0
-
-
-# ---- roofline: hardware we cannot run -----------------------------------------------------------
-@dataclass(frozen=True)
-class Hardware:
-    description: str
-    peak_flops: float                # dense 16-bit FLOP/s (fp32 for the CPU)
-    memory_bandwidth: float          # bytes per second
-    memory_bytes: int
-    host_link: Link                  # device <-> host memory
-    store_link: Link                 # engine -> store
-    flops_efficiency: float = 0.5    # the share of peak a serving engine reaches on large GEMMs
-    bandwidth_efficiency: float = 0.8
-    step_overhead_s: float = 0.002   # scheduling, launches and sampling per step
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    description: str
-    params: float
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 2
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def weight_bytes(self) -> float:
-        return self.params * self.dtype_bytes
-
-    @property
-    def attention_flops_per_pair(self) -> float:
-        """Q.K and P.V for one query-key pair, every head of every layer."""
-        return 4 * self.num_layers * self.num_heads * self.head_dim
-
-
-HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("NVIDIA H100 SXM 80GB: 989 TFLOP/s bf16, 3.35 TB/s HBM3, PCIe 5 x16 to host, "
-                     "200 Gb/s to the store", 989e12, 3.35e12, 80 * 10**9,
-                     host_link=Link(10e-6, 50e9), store_link=Link(100e-6, 25e9)),
-    "a100": Hardware("NVIDIA A100 SXM 80GB: 312 TFLOP/s bf16, 2.04 TB/s HBM2e, PCIe 4 x16 to host, "
-                     "100 Gb/s to the store", 312e12, 2.039e12, 80 * 10**9,
-                     host_link=Link(10e-6, 25e9), store_link=Link(100e-6, 12.5e9)),
-    "l4": Hardware("NVIDIA L4 24GB: 121 TFLOP/s bf16, 300 GB/s GDDR6, PCIe 4 x16 to host, 25 Gb/s to the store",
-                   121e12, 300e9, 24 * 10**9, host_link=Link(10e-6, 25e9), store_link=Link(200e-6, 3.1e9)),
-    "cpu-2core": Hardware("2 x86 cores with AVX2 (~100 GFLOP/s fp32), ~20 GB/s DRAM; host tier is a memcpy, "
-                          "the store a local SSD", 100e9, 20e9, 16 * 10**9,
-                          host_link=Link(2e-6, 10e9), store_link=Link(100e-6, 1e9),
-                          flops_efficiency=0.3, bandwidth_efficiency=0.5, step_overhead_s=0.001),
-}
-
-MODELS: dict[str, ModelSpec] = {
-    "llama3-8b": ModelSpec("Llama-3-8B (GQA 32/8 heads, 32 layers), bf16", 8.03e9, 32, 32, 8, 128),
-    "smollm2-135m": ModelSpec("SmolLM2-135M (GQA 9/3 heads, 30 layers), bf16", 134.5e6, 30, 9, 3, 64),
-}
-
-
-def roofline(hardware: str, model: str) -> CostModel:
-    """A profile from first principles, for hardware this machine is not."""
-    if hardware not in HARDWARE:
-        raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(HARDWARE)}")
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
-    hw, spec = HARDWARE[hardware], MODELS[model]
-    flops = hw.peak_flops * hw.flops_efficiency
-    bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
-    per_token = 2 * spec.params / flops
-    pair = spec.attention_flops_per_pair / flops
-    compute = (0.0, per_token, per_token, 0.0, pair, pair, 0.0, 0.0, pair, 0.0, 0.0, pair)
-    memory = (spec.weight_bytes / bandwidth, 0.0, 0.0, spec.kv_bytes_per_token / bandwidth, 0.0, 0.0, 0.0, 0.0,
-              0.0, 0.0, 0.0, 0.0)
-    kv_memory = hw.memory_bytes * 0.9 - spec.weight_bytes
-    if kv_memory <= 0:
-        raise ValueError(f"{model} does not fit in the memory of {hardware}")
-    return CostModel(
-        source=(f"roofline: {hardware} ({hw.description}; {hw.flops_efficiency:.0%} of peak FLOP/s, "
-                f"{hw.bandwidth_efficiency:.0%} of peak bandwidth) x {model} ({spec.description})"),
-        kv_bytes_per_token=spec.kv_bytes_per_token, host_link=hw.host_link, store_link=hw.store_link,
-        compute=compute, memory=memory, overhead_s=hw.step_overhead_s,
-        device_cache_tokens=int(kv_memory // spec.kv_bytes_per_token))

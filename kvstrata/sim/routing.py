@@ -1,8 +1,10 @@
-"""The simulator's side of routing: views read from in-process schedulers, fed to kvstrata.routing.
+"""The simulator's side of routing: engine views read from in-process schedulers, and its `Router`.
 
-`kvstrata simulate` holds its engines' `Scheduler` objects, so its `EngineView` reads their pools
-and request tables directly; the policies themselves live in kvstrata.router.policies, shared with
-`kvstrata router`.
+`kvstrata simulate` holds its engines' `Scheduler` objects, so its `SchedulerView` (an
+`EngineView` of kvstrata.router.policies) reads their pools and request tables directly, and its
+`Router` runs a policy over those views for each arriving request. The policies themselves live
+in kvstrata.router.policies, the same objects `kvstrata router` runs over views built from KV
+events, so a fleet planned here is planned for that router.
 """
 
 from __future__ import annotations

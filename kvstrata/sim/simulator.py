@@ -37,7 +37,8 @@ from kvstrata.core.request import Request
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.tiers import PROBE_WAIT_S, TierManager
 from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
-from kvstrata.sim.cost_model import BatchShape, CostModel
+from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.routing import ROUTERS, make_router
 from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
 from kvstrata.sim.traces import (

@@ -12,9 +12,8 @@ The real `TierManager` runs unchanged on top of them:
   A call leaves when the engine thread gets to it, after the copies and encodes of its step so far.
   A lookup the engine would have waited for (it ends within `PROBE_WAIT_S`) is answered at once
   and its wait accrues to the step, as the engine's plan() waits for it in the step: otherwise
-  every request that looks up the store lost a step to the simulator (the sessions slice past
-  capacity, one profile: TTFT p90 15.56 -> 14.90 s against the engine's 14.75, throughput 45.2 ->
-  46.2 tok/s against 46.4).
+  every request that looks up the store lost a step to the simulator (what that changed against
+  the engine: docs/design/simulator.md, "The stand-ins").
 """
 
 from __future__ import annotations
@@ -138,9 +137,9 @@ class VirtualExecutor:
     A call is sent when the engine thread gets to it: after the copies and record encodes
     `busy()` says the step being scheduled has made so far, and the lookups it waited for. The
     engine's schedule() does that work between one admission's store load and the next (a host
-    hit copied, evictions offloaded and encoded): in a validation replay the second of two loads
-    admitted in one step left 10 ms after the first, and the step that started them polled both
-    landed; sent at one instant, the simulator polled the first alone.
+    hit copied, evictions offloaded and encoded): the second of two loads admitted in one step
+    leaves after the first, and the step that started them finds both landed; sent at one instant,
+    the simulator's found the first alone (docs/design/simulator.md, "The stand-ins").
     """
 
     def __init__(self, clock: VirtualClock, link: Link, block_bytes: int, post: Post, lookup_wait: float = 0.0,

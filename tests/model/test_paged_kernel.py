@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvstrata.model import kernels
-from kvstrata.sim.cost_model import KERNEL_TILE
+from kvstrata.sim.batch_shape import KERNEL_TILE
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVSTRATA_KERNELS") == "0", reason="KVSTRATA_KERNELS=0")
 

@@ -17,7 +17,9 @@ import pytest
 
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.entrypoints.cli.simulate import parse_sweep
-from kvstrata.sim.cost_model import BatchShape, CostModel, Link, fit, roofline
+from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.cost_model import CostModel, Link, fit
+from kvstrata.sim.roofline import roofline
 from kvstrata.sim.simulator import SimConfig, Simulator
 from kvstrata.sim.traces import TraceRequest, TraceTokens, ideal_hit_rate, read_mooncake
 

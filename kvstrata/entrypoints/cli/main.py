@@ -7,10 +7,11 @@ import logging
 import sys
 
 from kvstrata.entrypoints.cli.bench import add_bench
+from kvstrata.entrypoints.cli.calibrate import add_calibrate
 from kvstrata.entrypoints.cli.generate import add_generate
 from kvstrata.entrypoints.cli.router import add_router
 from kvstrata.entrypoints.cli.serve import add_serve
-from kvstrata.entrypoints.cli.simulate import add_calibrate, add_simulate
+from kvstrata.entrypoints.cli.simulate import add_simulate
 
 COMMANDS = [add_generate, add_serve, add_router, add_simulate, add_calibrate, add_bench]
 

@@ -1,14 +1,13 @@
-"""`kvstrata simulate` and `kvstrata calibrate`: the simulator's command line, sweeps and plots.
+"""`kvstrata simulate`: the simulator's command line, sweeps, plots and `--validate`.
 
     kvstrata simulate --trace T --output-json out.json                       one engine, H100 roofline
     kvstrata simulate --trace T --instances 16 --router kv_aware --host-cache-tokens 8M \\
                       --store-cache-tokens inf --output-json fleet.json
     kvstrata simulate --trace T --sweep host_cache_tokens=0,1M,4M,inf --plot docs/ --output-json sweep.json
-    kvstrata calibrate --output benchmarks/profiles/cpu-2core-smollm2.json        fit a profile on this machine
     kvstrata simulate --validate --slice sessions --repeat 2 --trace T        engine vs simulator, three loads
-    kvstrata calibrate --trace T --fit-slices plain                           fit a slice too (then refused)
 
-Only this module and `cli.py` print; the simulator itself returns figures.
+Profiles come from `kvstrata calibrate` (kvstrata.entrypoints.cli.calibrate). Only the command
+modules print; the simulator itself returns figures.
 """
 
 from __future__ import annotations
@@ -22,13 +21,14 @@ import time
 from pathlib import Path
 
 from kvstrata.core.config import POLICIES, WRITE_POLICIES, parse_size
-from kvstrata.sim.cost_model import HARDWARE, MODELS, CostModel, roofline
+from kvstrata.entrypoints.cli.calibrate import DEFAULT_PROFILE, add_engine_timing
+from kvstrata.sim.cost_model import CostModel
+from kvstrata.sim.roofline import HARDWARE, MODELS, roofline
 from kvstrata.sim.routing import ROUTERS
 from kvstrata.sim.simulator import SimConfig, SimResult, Simulator
 from kvstrata.sim.traces import read_mooncake
 
 CAPACITIES = ("device_cache_tokens", "host_cache_tokens", "store_cache_tokens")
-DEFAULT_PROFILE = Path("benchmarks/profiles/cpu-2core-smollm2.json")
 FROM_PROFILE = -1       # --device-cache-tokens default: what the profile's hardware holds
 OVERLOAD_FACTOR = 1.25  # a run this much longer than its arrivals' span was limited by the fleet, not by arrivals
 
@@ -42,6 +42,16 @@ def tokens(text: str) -> int | None:
 def add_simulate(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("simulate", help="replay a trace through the real scheduler and tiers "
                                                   "on a virtual clock")
+    _add_trace_flags(parser)
+    _add_engine_flags(parser)
+    _add_cost_flags(parser)
+    output = _add_output_flags(parser)
+    add_engine_timing(output)          # --validate runs and times the engine as calibrate does
+    parser.set_defaults(run=run_simulate)
+
+
+def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
+    """Which requests of the trace, how fast they arrive and how long they are."""
     trace = parser.add_argument_group("trace")
     trace.add_argument("--trace", required=True, help="Mooncake-format jsonl (timestamp, input_length, "
                                                       "output_length, hash_ids)")
@@ -53,6 +63,10 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
                             "with --validate)")
     trace.add_argument("--max-input-tokens", type=int, default=None, help="cut longer prompts (keeps their prefix)")
     trace.add_argument("--max-output-tokens", type=int, default=None, help="cut longer outputs")
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Each engine's caches and scheduling, and the fleet."""
     engine = parser.add_argument_group("engines")
     engine.add_argument("--block-size", type=int, default=None,
                         help="engine block size, a power of two dividing 512 (default 512; 16 with --validate)")
@@ -72,11 +86,19 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--policy", default="fcfs", choices=POLICIES)
     engine.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
     engine.add_argument("--store-timeout", type=float, default=SimConfig.store_timeout)
+
+
+def _add_cost_flags(parser: argparse.ArgumentParser) -> None:
+    """Where step and transfer times come from: a calibrated profile or a roofline."""
     cost = parser.add_argument_group("cost model").add_mutually_exclusive_group()
     cost.add_argument("--profile", type=Path, default=None, help="a JSON profile from `kvstrata calibrate`")
     cost.add_argument("--hardware", choices=list(HARDWARE), default=None,
                       help="a roofline profile of this hardware (default: h100)")
     parser.add_argument("--model", choices=list(MODELS), default="llama3-8b", help="model size for --hardware")
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """What to write, sweep or validate; returns the group, which also takes the engine-timing flags."""
     out = parser.add_argument_group("output")
     out.add_argument("--audit", action="store_true", help="audit every engine after every simulated step")
     out.add_argument("--output-json", type=Path, default=None, help="also write the figures here, as JSON")
@@ -90,8 +112,7 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
                      help="--validate: the slice (plain: a real slice, device cache only; sessions: chat "
                           "sessions shrunk to 32 tokens per hash id, host tier and disk store on)")
     out.add_argument("--repeat", type=int, default=1, help="--validate: engine replays per load (the spread is noise)")
-    add_engine_timing(out)
-    parser.set_defaults(run=run_simulate)
+    return out
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:
@@ -155,7 +176,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def run_validation(args: argparse.Namespace) -> int:
     """`--validate`: a slice at three loads (or one --time-scale), on the real engine and in the simulator."""
-    from kvstrata.calibration.validation import SLICES, validate
+    from kvstrata.calibration.slices import SLICES
+    from kvstrata.calibration.validation import validate
 
     cost = CostModel.load(args.profile or DEFAULT_PROFILE)
     elsewhere = cost.other_machine()
@@ -265,42 +287,3 @@ class Progress:
 
     def close(self) -> None:
         sys.stderr.write("\n")
-
-
-# ---- calibrate ----------------------------------------------------------------------------------
-def add_engine_timing(group: argparse._ActionsContainer) -> None:
-    """How the real engine is run and timed: `calibrate` and `simulate --validate` must agree on both."""
-    group.add_argument("--threads", type=int, default=1,
-                       help="torch CPU threads of the real engine (default 1: steady on a shared machine)")
-    group.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                       help="time engine steps by the engine thread's CPU time (default: neighbours on a shared "
-                            "machine do not count) or by wall time")
-
-
-def add_calibrate(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("calibrate", help="fit the simulator's cost model to the real engine on "
-                                                   "this machine")
-    parser.add_argument("--output", type=Path, default=DEFAULT_PROFILE, help="where to write the JSON profile")
-    parser.add_argument("--machine", default=None, help="how to name this machine in the profile "
-                                                        "(default: CPU model and core count)")
-    add_engine_timing(parser)
-    parser.add_argument("--repeat", type=int, default=3, help="runs of the grid; each step keeps its median time")
-    parser.add_argument("--trace", type=Path, default=None, help="a Mooncake trace to fit --fit-slices of")
-    parser.add_argument("--fit-slices", default="", help="comma-separated validation slices (plain, sessions) to "
-                                                         "replay and fit too; validation then refuses them")
-    parser.set_defaults(run=run_calibrate)
-
-
-def run_calibrate(args: argparse.Namespace) -> int:
-    from kvstrata.calibration.calibrate import calibrate
-    from kvstrata.calibration.validation import SLICES
-
-    slices = tuple(name for name in args.fit_slices.split(",") if name)
-    if set(slices) - set(SLICES):
-        raise ValueError(f"--fit-slices takes names of {', '.join(SLICES)}, not {args.fit_slices!r}")
-    calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock,
-                            trace=args.trace, slices=slices)
-    calibration.save(args.output)
-    print(calibration.report())
-    print(f"profile written to {args.output}: {calibration.model.source}")
-    return 0

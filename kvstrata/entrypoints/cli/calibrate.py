@@ -1,0 +1,53 @@
+"""`kvstrata calibrate`: fit the simulator's cost model to the real engine on this machine.
+
+    kvstrata calibrate --output benchmarks/profiles/cpu-2core-smollm2.json        fit a profile on this machine
+    kvstrata calibrate --trace T --fit-slices plain                           fit a slice too (then refused)
+
+How the engine is run and timed (`add_engine_timing`) is shared with `kvstrata simulate --validate`,
+which must time it the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_PROFILE = Path("benchmarks/profiles/cpu-2core-smollm2.json")
+
+
+def add_engine_timing(group: argparse._ActionsContainer) -> None:
+    """How the real engine is run and timed: `calibrate` and `simulate --validate` must agree on both."""
+    group.add_argument("--threads", type=int, default=1,
+                       help="torch CPU threads of the real engine (default 1: steady on a shared machine)")
+    group.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                       help="time engine steps by the engine thread's CPU time (default: neighbours on a shared "
+                            "machine do not count) or by wall time")
+
+
+def add_calibrate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("calibrate", help="fit the simulator's cost model to the real engine on "
+                                                   "this machine")
+    parser.add_argument("--output", type=Path, default=DEFAULT_PROFILE, help="where to write the JSON profile")
+    parser.add_argument("--machine", default=None, help="how to name this machine in the profile "
+                                                        "(default: CPU model and core count)")
+    add_engine_timing(parser)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of the grid; each step keeps its median time")
+    parser.add_argument("--trace", type=Path, default=None, help="a Mooncake trace to fit --fit-slices of")
+    parser.add_argument("--fit-slices", default="", help="comma-separated validation slices (plain, sessions) to "
+                                                         "replay and fit too; validation then refuses them")
+    parser.set_defaults(run=run_calibrate)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from kvstrata.calibration.calibrate import calibrate
+    from kvstrata.calibration.slices import SLICES
+
+    slices = tuple(name for name in args.fit_slices.split(",") if name)
+    if set(slices) - set(SLICES):
+        raise ValueError(f"--fit-slices takes names of {', '.join(SLICES)}, not {args.fit_slices!r}")
+    calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock,
+                            trace=args.trace, slices=slices)
+    calibration.save(args.output)
+    print(calibration.report())
+    print(f"profile written to {args.output}: {calibration.model.source}")
+    return 0
