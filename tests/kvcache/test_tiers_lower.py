@@ -11,17 +11,15 @@ import pytest
 from kvstrata.core.request import RequestStatus
 from kvstrata.kvcache.block_pool import BlockState
 from tests.kvcache.fakes import (
-    make_request,
-    make_tiered_scheduler,
-    step,
-    unchecked_plan,
-)
-from tests.kvcache.tier_scenarios import (
     PREFIX,
     drive,
     evict_everything,
     loading_again,
+    make_request,
+    make_tiered_scheduler,
     reference_outputs,
+    step,
+    unchecked_plan,
 )
 
 
