@@ -48,7 +48,7 @@ block. Each side effect is either inside a transaction or a compensated step:
     store calls         every lookup, load and write has a deadline; a write that fails or times out is
                         forgotten as stored, so a later eviction writes the block again
 
-Only this class calls the pools; the scheduler sees block ids and counts, never blocks.
+Only this class and its parts call the pools; the scheduler sees block ids and counts, never blocks.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ from kvstrata.kvcache.block_pool import (
     EvictedBlock,
     PoolCounts,
 )
+from kvstrata.kvcache.block_tables import BlockTables, PendingFork, RequestBlocks
+from kvstrata.kvcache.guarded_mover import GuardedMover
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.transfers import BlockMover, Executor, LoadTransfer
 
@@ -153,40 +155,6 @@ class DecodeReservation:
         return max(0, math.ceil((future - (num_slots - num_tokens_with_kv)) / block_size))
 
 
-@dataclass
-class RequestBlocks:
-    """A request's device block table, how many of its blocks are indexed, and its pending load.
-
-    `block_ids` mirrors `blocks` as plain ints, kept in step, so handing the table to the runner
-    every step costs nothing. Blocks [num_registered, num_announced) are full blocks of known
-    tokens that the request is computing or loading: their hashes are in `TierManager._computing`.
-    """
-
-    request: Request
-    blocks: list[Block]
-    num_registered: int = 0
-    load: LoadTransfer | None = None
-    block_ids: list[int] = field(init=False)
-    num_announced: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.block_ids = [block.block_id for block in self.blocks]
-        self.num_announced = self.num_registered
-
-    def extend(self, blocks: list[Block]) -> None:
-        self.blocks.extend(blocks)
-        self.block_ids.extend(block.block_id for block in blocks)
-
-
-@dataclass
-class PendingFork:
-    """A sample admitted with its family's leader, waiting to fork: the block its copy of the
-    leader's partly filled last prompt block will go to (None when the prompt fills its blocks)."""
-
-    request: Request
-    block: Block | None
-
-
 PROBE_WAIT_S = 0.005          # how long plan() waits for a store lookup before deferring the request
 
 
@@ -210,28 +178,26 @@ class TierManager:
         self.store_io = None if store is None else StoreIO(
             store, executor or ThreadPoolExecutor(4, thread_name_prefix="kvstrata-store"), clock,
             config.store_timeout, self.stats, probe_wait)
-        self._tables: dict[str, RequestBlocks] = {}
-        self._loading: dict[str, RequestBlocks] = {}      # the tables whose request waits on a load
+        self.moves = GuardedMover(mover, self.stats) if mover is not None else None
+        self.tables = BlockTables(config.enable_prefix_caching)
         self._orphans: list[LoadTransfer] = []
-        self._computing: dict[BlockHash, int] = {}      # announced block hashes -> how many requests
-        self._forks: dict[str, PendingFork] = {}        # sample id -> its place, until its leader forks it
         self._unpersisted: OrderedDict[BlockHash, tuple[int, ...]] = OrderedDict()   # see persist()
 
     # ---- queries (pure) -------------------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
-        return request_id in self._tables
+        return self.tables.holds(request_id)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table; read-only, and valid until its blocks next change."""
-        return self._tables[request_id].block_ids
+        return self.tables[request_id].block_ids
 
     def is_loading(self, request_id: str) -> bool:
-        return request_id in self._loading
+        return request_id in self.tables.loading
 
     @property
     def has_transfers(self) -> bool:
         """Loads or writes still running (the engine keeps stepping until they settle)."""
-        return bool(self._orphans or self._loading or (self.store_io is not None and self.store_io.has_writes))
+        return bool(self._orphans or self.tables.loading or (self.store_io is not None and self.store_io.has_writes))
 
     def _max_hit_blocks(self, request: Request) -> int:
         """Full blocks a hit may cover: the last token is always computed, for its logits."""
@@ -258,7 +224,7 @@ class TierManager:
         """Blocks the requests holding blocks (and the samples waiting to fork) may still grow into."""
         return sum(self.reservation.blocks(rb.request, rb.request.num_computed_tokens,
                                            len(rb.blocks) * self.block_size, self.block_size)
-                   for rb in self._tables.values()) + sum(map(self._fork_reserve, self._forks.values()))
+                   for rb in self.tables.by_request.values()) + sum(map(self._fork_reserve, self.tables.forks.values()))
 
     def _fork_reserve(self, pending: PendingFork | Request) -> int:
         """A sample's decode growth beyond the last prompt block it will hold after the fork."""
@@ -269,10 +235,10 @@ class TierManager:
     @property
     def num_pending_forks(self) -> int:
         """Samples admitted with their leader that have not forked yet (each takes a seat)."""
-        return len(self._forks)
+        return len(self.tables.forks)
 
     def has_fork(self, request_id: str) -> bool:
-        return request_id in self._forks
+        return request_id in self.tables.forks
 
     # ---- admission ------------------------------------------------------------------------------
     def on_step(self, nonempty: bool) -> None:
@@ -304,7 +270,7 @@ class TierManager:
 
         With `whole`, the chunk must reach the end of the request (no chunked prefill). Pure.
         """
-        assert request.request_id not in self._tables, f"{request.request_id} already holds blocks"
+        assert request.request_id not in self.tables.by_request, f"{request.request_id} already holds blocks"
         size = self.block_size
         hits, host, store = self._hits(request)
         num_hits = len(hits) + len(host) + len(store)
@@ -317,7 +283,7 @@ class TierManager:
         num_blocks = math.ceil((num_hit_tokens + num_new_tokens) / size)
         own_future = self.reservation.blocks(request, num_hit_tokens + num_new_tokens, num_blocks * size, size)
         forks = request.family.pending if request.family is not None else []
-        assert not any(f.request_id in self._forks for f in forks), "a family's samples are already placed"
+        assert not any(f.request_id in self.tables.forks for f in forks), "a family's samples are already placed"
         partial_last_block = request.num_prompt_tokens % size != 0
         plan = AdmissionPlan(
             request=request, epoch=self.device.epoch, hit_blocks=hits,
@@ -337,7 +303,7 @@ class TierManager:
         return hits, host, self._store_hits(request, len(hits) + len(host), limit)
 
     def _computing_block(self, request: Request, index: int) -> bool:
-        return index < self._max_hit_blocks(request) and request.block_hashes[index] in self._computing
+        return index < self._max_hit_blocks(request) and request.block_hashes[index] in self.tables.computing
 
     def waits_for_computing(self, request: Request) -> bool:
         """Whether the request's next uncached block is one another request is computing (pure).
@@ -387,20 +353,15 @@ class TierManager:
             host_targets = new_blocks[:len(plan.load_host)]
             table = plan.hit_blocks + host_targets + targets + new_blocks[len(plan.load_host):len(new_blocks)
                                                                           - plan.num_fork_blocks]
-            fork_blocks = new_blocks[len(new_blocks) - plan.num_fork_blocks:]
-            for index, sample in enumerate(plan.forks):
-                self._forks[sample.request_id] = PendingFork(sample, fork_blocks[index] if fork_blocks else None)
+            self.tables.place_forks(plan.forks, new_blocks[len(new_blocks) - plan.num_fork_blocks:])
             first_admission = request.num_cached_tokens < 0
             load = self._admit_loads(plan, targets, first_admission)
             rb = RequestBlocks(request, table, len(plan.hit_blocks), load)
-            self._tables[request.request_id] = rb
-            if load is not None:
-                self._loading[request.request_id] = rb
+            self.tables.add(rb)
         except BaseException:
-            self._tables.pop(request.request_id, None)
-            self._loading.pop(request.request_id, None)
+            self.tables.remove(request.request_id)
             for sample in plan.forks:
-                self._forks.pop(sample.request_id, None)
+                self.tables.forks.pop(sample.request_id, None)
             for step in reversed(undo):
                 step()
             raise
@@ -410,20 +371,14 @@ class TierManager:
         num_host_loaded = len(host_targets) if self._copy_host_hits(plan, host_targets) else 0
         if num_host_loaded < len(host_targets) and rb.load is not None:
             self._abandon_load(rb, "behind_failed_copy")  # its blocks follow blocks that are recomputed
-        self._set_registered(rb, rb.num_registered + num_host_loaded)
-        self._announce(rb)
+        self.tables.set_registered(rb, rb.num_registered + num_host_loaded)
+        self.tables.announce(rb)
         request.num_computed_tokens = len(plan.hit_blocks) * self.block_size + num_host_loaded * self.block_size
         if first_admission:
             self.stats.prompt_tokens += request.num_prompt_tokens
             request.num_cached_tokens = 0
-            self._count_hits(request, "device", len(plan.hit_blocks) * self.block_size)
-            self._count_hits(request, "host", num_host_loaded * self.block_size)
-
-    def _count_hits(self, request: Request, tier: str, num_tokens: int) -> None:
-        """Credit prompt tokens served by `tier` (at the request's first admission only)."""
-        num_tokens = min(num_tokens, request.num_prompt_tokens - request.num_cached_tokens)
-        request.num_cached_tokens += num_tokens
-        self.stats.count(self.stats.hit_tokens, tier, num_tokens)
+            self.stats.count_hits(request, "device", len(plan.hit_blocks) * self.block_size)
+            self.stats.count_hits(request, "host", num_host_loaded * self.block_size)
 
     def _admit_loads(self, plan: AdmissionPlan, targets: list[Block], first_admission: bool) -> LoadTransfer | None:
         """Record the store load into `targets` and start it. Bookkeeping first: if this raises, the
@@ -444,7 +399,7 @@ class TierManager:
         if not targets:
             return True
         pairs = [(src.block_id, dst.block_id) for src, dst in zip(plan.load_host, targets)]
-        copied = self._copy("host", "device", pairs)
+        copied = self.moves.copy("host", "device", pairs)
         self.host.free(plan.load_host)                  # unpinned, and now most recently used
         if not copied:
             return False
@@ -461,27 +416,13 @@ class TierManager:
         """
         for target in rb.load.targets:
             self.device.end_transfer(target, BlockState.USED)
-        rb.load = None
-        del self._loading[rb.request.request_id]
+        self.tables.end_load(rb)
         self.stats.count(self.stats.load_failures, reason)
-
-    def _copy(self, src_tier: str, dst_tier: str, pairs: list[tuple[int, int]]) -> bool:
-        """Copy blocks between tiers; False (the fault counted) if the copy raised."""
-        try:
-            self.mover.copy(src_tier, dst_tier, pairs)
-        except Exception as exc:
-            self._fault("copy", exc)
-            return False
-        return True
-
-    def _fault(self, operation: str, exc: Exception) -> None:
-        self.stats.count(self.stats.faults, operation)
-        logger.warning("%s failed; the blocks involved will be recomputed: %r", operation, exc)
 
     # ---- growth and release ---------------------------------------------------------------------
     def grow(self, request: Request, num_new_tokens: int) -> bool:
         """Give a request holding blocks room for `num_new_tokens` more tokens. All or nothing."""
-        rb = self._tables[request.request_id]
+        rb = self.tables[request.request_id]
         needed = math.ceil((request.num_computed_tokens + num_new_tokens) / self.block_size) - len(rb.blocks)
         if needed <= 0:
             return True
@@ -490,39 +431,16 @@ class TierManager:
             return False
         new_blocks, evicted = got
         rb.extend(new_blocks)
-        self._announce(rb)
+        self.tables.announce(rb)
         self._offload_evicted(evicted)
         return True
 
-    def _announce(self, rb: RequestBlocks) -> None:
-        """Announce rb's full blocks of known tokens past those announced: it is computing them."""
-        stop = min(len(rb.blocks), len(rb.request.block_hashes)) if self.config.enable_prefix_caching else 0
-        for index in range(rb.num_announced, stop):
-            block_hash = rb.request.block_hashes[index]
-            self._computing[block_hash] = self._computing.get(block_hash, 0) + 1
-        rb.num_announced = max(rb.num_announced, stop)
-
-    def _set_registered(self, rb: RequestBlocks, num_registered: int) -> None:
-        """Blocks up to `num_registered` are indexed now (or never will be): withdraw their announcements."""
-        self._withdraw(rb, rb.num_registered, min(num_registered, rb.num_announced))
-        rb.num_registered = num_registered
-        rb.num_announced = max(rb.num_announced, num_registered)
-
-    def _withdraw(self, rb: RequestBlocks, start: int, stop: int) -> None:
-        for index in range(start, stop):
-            block_hash = rb.request.block_hashes[index]
-            left = self._computing[block_hash] - 1
-            if left:
-                self._computing[block_hash] = left
-            else:
-                del self._computing[block_hash]
-
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks whose every token now has KV, so others can hit them."""
-        rb = self._tables[request.request_id]
+        rb = self.tables[request.request_id]
         num_full = request.num_computed_tokens // self.block_size
         if not self.config.enable_prefix_caching:
-            self._set_registered(rb, num_full)
+            self.tables.set_registered(rb, num_full)
             return
         size = self.block_size
         for index in range(rb.num_registered, num_full):
@@ -532,18 +450,17 @@ class TierManager:
                 if self.config.write_policy == "write_through":
                     self._write_through(block)
                 self._remember_unpersisted(block)
-        self._set_registered(rb, max(rb.num_registered, num_full))
+        self.tables.set_registered(rb, max(rb.num_registered, num_full))
 
     def release(self, request: Request) -> None:
         """Return every block the request holds, tail first; a pending load is left to settle on its own."""
         if self.store_io is not None:
             self.store_io.forget_lookup(request.request_id)
-        self._drop_forks(request)
-        rb = self._tables.pop(request.request_id, None)
+        for block in self.tables.drop_forks(request):
+            self.device.free([block])
+        rb = self.tables.remove(request.request_id)
         if rb is None:
             return
-        self._loading.pop(request.request_id, None)
-        self._withdraw(rb, rb.num_registered, rb.num_announced)
         in_flight = set()
         if rb.load is not None:
             rb.load.request = None
@@ -552,15 +469,6 @@ class TierManager:
             in_flight = {id(block) for block in rb.load.targets}
         self.device.free(block for block in reversed(rb.blocks) if id(block) not in in_flight)
 
-    def _drop_forks(self, request: Request) -> None:
-        """Give back the places of a sample waiting to fork, or of all its leader's samples: a
-        family admitted again after its leader's preemption takes them again."""
-        for sample_id in [sid for sid, pending in self._forks.items()
-                          if pending.request is request or pending.request.family.leader is request]:
-            block = self._forks.pop(sample_id).block
-            if block is not None:
-                self.device.free([block])
-
     def fork(self, leader: Request, sample: Request) -> None:
         """Give `sample` the leader's prompt: one more reference to each full prompt block, and a copy
         of the partly filled last one in the block taken for it at admission. Never raises for space.
@@ -568,8 +476,8 @@ class TierManager:
         Call after the step that computed the leader's last prompt token. If the copy fails, the
         sample's last block is an ordinary block and it recomputes those few tokens.
         """
-        pending = self._forks.pop(sample.request_id)
-        source = self._tables[leader.request_id]
+        pending = self.tables.forks.pop(sample.request_id)
+        source = self.tables[leader.request_id]
         size, num_prompt = self.block_size, leader.num_prompt_tokens
         num_full = num_prompt // size
         assert leader.num_computed_tokens >= num_prompt and source.num_registered >= num_full, \
@@ -577,11 +485,11 @@ class TierManager:
         shared = source.blocks[:num_full]
         self.device.touch(shared)
         rb = RequestBlocks(sample, shared + ([pending.block] if pending.block is not None else []), num_full)
-        self._tables[sample.request_id] = rb
-        copied = pending.block is None or (self.mover is not None and self._copy(
+        self.tables.add(rb)
+        copied = pending.block is None or (self.moves is not None and self.moves.copy(
             "device", "device", [(source.blocks[num_full].block_id, pending.block.block_id)]))
         sample.num_computed_tokens = num_prompt if copied else num_full * size
-        self._announce(rb)
+        self.tables.announce(rb)
 
     # ---- moving blocks down ---------------------------------------------------------------------
     def _offload_evicted(self, evicted: Sequence[EvictedBlock]) -> None:
@@ -599,7 +507,7 @@ class TierManager:
             return
         slots, host_evicted = self.host.allocate(len(todo))
         self._store_host_evictions(host_evicted)
-        if not self._copy("device", "host", [(item.block_id, slot.block_id) for item, slot in zip(todo, slots)]):
+        if not self.moves.copy("device", "host", [(item.block_id, slot.block_id) for item, slot in zip(todo, slots)]):
             self.host.free(slots)                       # unhashed: back to FREE; the evicted KV is not kept
             return
         for item, slot in zip(todo, slots):
@@ -619,7 +527,7 @@ class TierManager:
             return
         (slot,), host_evicted = got
         self._store_host_evictions(host_evicted)
-        if not self._copy("device", "host", [(block.block_id, slot.block_id)]):
+        if not self.moves.copy("device", "host", [(block.block_id, slot.block_id)]):
             self.host.free([slot])
             return
         self.host.register(slot, block.block_hash, block.token_ids)
@@ -645,12 +553,9 @@ class TierManager:
         if not self.store_io.has_room():
             self.stats.dropped_writes += 1
             return
-        try:
-            record = self.mover.encode(tier, block_id, block_hash, token_ids)
-        except Exception as exc:
-            self._fault("encode", exc)
-            return
-        self.store_io.put(block_hash, record)
+        record = self.moves.encode(tier, block_id, block_hash, token_ids)
+        if record is not None:
+            self.store_io.put(block_hash, record)
 
     # ---- persistence ----------------------------------------------------------------------------
     # Write-back sends a block to the store only when host evicts it, so a process that stops
@@ -691,12 +596,11 @@ class TierManager:
     def poll_loads(self) -> list[Request]:
         """Settle every load that finished or timed out; return the requests ready to run."""
         ready = []
-        for rb in list(self._loading.values()):
+        for rb in list(self.tables.loading.values()):
             loaded = self._settle(rb.load)
             if loaded is not None:
-                rb.load = None
-                self._set_registered(rb, rb.num_registered + loaded)
-                del self._loading[rb.request.request_id]
+                self.tables.end_load(rb)
+                self.tables.set_registered(rb, rb.num_registered + loaded)
                 ready.append(rb.request)
         self._orphans = [load for load in self._orphans if self._settle(load) is None]
         if self.store_io is not None:
@@ -705,7 +609,7 @@ class TierManager:
 
     def wait_for_transfers(self, timeout: float) -> None:
         """Block until some transfer may have settled (the engine calls this when it has nothing else)."""
-        pending = [rb.load.future for rb in self._loading.values()] + [t.future for t in self._orphans]
+        pending = [rb.load.future for rb in self.tables.loading.values()] + [t.future for t in self._orphans]
         pending += self.store_io.pending() if self.store_io is not None else []
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
@@ -733,11 +637,11 @@ class TierManager:
                 reason = "missing"
                 break
             try:
-                self.mover.decode_into("device", target.block_id, record, block_hash, tokens)
+                self.moves.mover.decode_into("device", target.block_id, record, block_hash, tokens)
             except Exception as exc:
                 reason = getattr(exc, "reason", None)
                 if reason is None:                        # not the record's fault: keep it
-                    self._fault("decode", exc)
+                    self.moves.fault("decode", exc)
                     reason = "decode"
                     break
                 logger.warning("dropping a bad store record (%s): %s", reason, exc)
@@ -759,7 +663,7 @@ class TierManager:
         if not load.orphaned:
             load.request.num_computed_tokens += loaded * self.block_size
             if load.first_admission:
-                self._count_hits(load.request, "store", loaded * self.block_size)
+                self.stats.count_hits(load.request, "store", loaded * self.block_size)
         return loaded
 
     # ---- audit ----------------------------------------------------------------------------------
@@ -774,7 +678,7 @@ class TierManager:
         holders: dict[int, int] = {}
         in_flight: list[int] = []
         announced: dict[BlockHash, int] = {}
-        for rb in self._tables.values():
+        for rb in self.tables.by_request.values():
             assert not rb.request.is_finished, f"finished request {rb.request.request_id} still holds blocks"
             assert rb.num_registered <= rb.num_announced <= len(rb.blocks), f"{rb.request.request_id} announcements"
             for block_hash in rb.request.block_hashes[rb.num_registered:rb.num_announced]:
@@ -786,9 +690,9 @@ class TierManager:
                     in_flight.append(block.block_id)
                 else:
                     holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        for sample_id, pending in self._forks.items():
+        for sample_id, pending in self.tables.forks.items():
             leader = pending.request.family.leader
-            assert pending.request.status is RequestStatus.AWAITING_FORK and leader.request_id in self._tables, \
+            assert pending.request.status is RequestStatus.AWAITING_FORK and leader.request_id in self.tables.by_request, \
                 f"sample {sample_id} has a place but its leader {leader.request_id} holds no blocks"
             if pending.block is not None:
                 holders[pending.block.block_id] = holders.get(pending.block.block_id, 0) + 1
@@ -796,8 +700,8 @@ class TierManager:
             assert load.orphaned, "an orphaned load still names a request"
             in_flight.extend(block.block_id for block in load.targets)
         assert len(in_flight) == len(set(in_flight)), "a block is the target of two loads"
-        assert {rid for rid, rb in self._tables.items() if rb.load} == set(self._loading), "loading index is stale"
-        assert announced == self._computing, "announced block hashes disagree with the block tables"
+        assert {rid for rid, rb in self.tables.by_request.items() if rb.load} == set(self.tables.loading), "loading index is stale"
+        assert announced == self.tables.computing, "announced block hashes disagree with the block tables"
         counts = {"device": self.device.audit(holders, in_flight)}
         if self.host is not None:
             counts["host"] = self.host.audit({})
@@ -805,4 +709,4 @@ class TierManager:
 
     def snapshot(self, with_order: bool = True) -> tuple:
         return (self.device.snapshot(with_order), self.host.snapshot(with_order) if self.host else None,
-                tuple(sorted((rid, tuple(self.block_ids(rid))) for rid in self._tables)))
+                tuple(sorted((rid, tuple(self.block_ids(rid))) for rid in self.tables.by_request)))
