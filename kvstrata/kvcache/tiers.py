@@ -53,12 +53,10 @@ Only this class and its parts call the pools; the scheduler sees block ids and c
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvstrata.core.config import CacheConfig
@@ -68,17 +66,14 @@ from kvstrata.kvcache.block_pool import (
     Block,
     BlockPool,
     BlockState,
-    EvictedBlock,
     PoolCounts,
 )
 from kvstrata.kvcache.block_tables import BlockTables, PendingFork, RequestBlocks
 from kvstrata.kvcache.guarded_mover import GuardedMover
+from kvstrata.kvcache.loads import StoreLoads
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
-from kvstrata.kvcache.transfers import BlockMover, Executor, LoadTransfer
-
-logger = logging.getLogger(__name__)
-
-MAX_UNPERSISTED = 16384        # full blocks remembered for persist(); the oldest are forgotten beyond
+from kvstrata.kvcache.transfers import BlockMover, Executor
+from kvstrata.kvcache.write_back import WriteBack
 
 
 @dataclass
@@ -180,8 +175,8 @@ class TierManager:
             config.store_timeout, self.stats, probe_wait)
         self.moves = GuardedMover(mover, self.stats) if mover is not None else None
         self.tables = BlockTables(config.enable_prefix_caching)
-        self._orphans: list[LoadTransfer] = []
-        self._unpersisted: OrderedDict[BlockHash, tuple[int, ...]] = OrderedDict()   # see persist()
+        self.loads = StoreLoads(config, self.device, self.tables, self.store_io, self.moves, self.stats, clock)
+        self.write_back = WriteBack(config, self.device, self.host, self.store_io, self.moves, self.stats)
 
     # ---- queries (pure) -------------------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
@@ -197,7 +192,7 @@ class TierManager:
     @property
     def has_transfers(self) -> bool:
         """Loads or writes still running (the engine keeps stepping until they settle)."""
-        return bool(self._orphans or self.tables.loading or (self.store_io is not None and self.store_io.has_writes))
+        return self.loads.has_transfers
 
     def _max_hit_blocks(self, request: Request) -> int:
         """Full blocks a hit may cover: the last token is always computed, for its logits."""
@@ -355,7 +350,8 @@ class TierManager:
                                                                           - plan.num_fork_blocks]
             self.tables.place_forks(plan.forks, new_blocks[len(new_blocks) - plan.num_fork_blocks:])
             first_admission = request.num_cached_tokens < 0
-            load = self._admit_loads(plan, targets, first_admission)
+            load = self.loads.start(request, len(plan.hit_blocks) + len(plan.load_host), plan.load_store, targets,
+                                    first_admission)
             rb = RequestBlocks(request, table, len(plan.hit_blocks), load)
             self.tables.add(rb)
         except BaseException:
@@ -367,10 +363,10 @@ class TierManager:
             raise
         if self.store_io is not None:
             self.store_io.forget_lookup(request.request_id)
-        self._offload_evicted(evicted + evicted_for_targets)
+        self.write_back.offload_evicted(evicted + evicted_for_targets)
         num_host_loaded = len(host_targets) if self._copy_host_hits(plan, host_targets) else 0
         if num_host_loaded < len(host_targets) and rb.load is not None:
-            self._abandon_load(rb, "behind_failed_copy")  # its blocks follow blocks that are recomputed
+            self.loads.abandon(rb, "behind_failed_copy")  # its blocks follow blocks that are recomputed
         self.tables.set_registered(rb, rb.num_registered + num_host_loaded)
         self.tables.announce(rb)
         request.num_computed_tokens = len(plan.hit_blocks) * self.block_size + num_host_loaded * self.block_size
@@ -379,19 +375,6 @@ class TierManager:
             request.num_cached_tokens = 0
             self.stats.count_hits(request, "device", len(plan.hit_blocks) * self.block_size)
             self.stats.count_hits(request, "host", num_host_loaded * self.block_size)
-
-    def _admit_loads(self, plan: AdmissionPlan, targets: list[Block], first_admission: bool) -> LoadTransfer | None:
-        """Record the store load into `targets` and start it. Bookkeeping first: if this raises, the
-        caller rolls back and the executor's result is never looked at."""
-        if not targets:
-            return None
-        size, request = self.block_size, plan.request
-        first = len(plan.hit_blocks) + len(plan.load_host)
-        tokens = [tuple(request.token_ids[(first + i) * size:(first + i + 1) * size]) for i in range(len(targets))]
-        started = self.clock()
-        future = self.store_io.get(list(plan.load_store))
-        return LoadTransfer(request, targets, list(plan.load_store), tokens, future, started,
-                            started + self.config.store_timeout, first_admission)
 
     def _copy_host_hits(self, plan: AdmissionPlan, targets: list[Block]) -> bool:
         """Copy host hits into their device blocks and index them there; whatever happens, unpin the
@@ -408,17 +391,6 @@ class TierManager:
         self.stats.count(self.stats.loaded_blocks, "host", len(targets))
         return True
 
-    def _abandon_load(self, rb: RequestBlocks, reason: str) -> None:
-        """Give up on the request's store load now: its targets become ordinary blocks of the request.
-
-        The executor's answer, whenever it comes, is never looked at (records are written into
-        blocks only when a load settles, on this thread).
-        """
-        for target in rb.load.targets:
-            self.device.end_transfer(target, BlockState.USED)
-        self.tables.end_load(rb)
-        self.stats.count(self.stats.load_failures, reason)
-
     # ---- growth and release ---------------------------------------------------------------------
     def grow(self, request: Request, num_new_tokens: int) -> bool:
         """Give a request holding blocks room for `num_new_tokens` more tokens. All or nothing."""
@@ -432,7 +404,7 @@ class TierManager:
         new_blocks, evicted = got
         rb.extend(new_blocks)
         self.tables.announce(rb)
-        self._offload_evicted(evicted)
+        self.write_back.offload_evicted(evicted)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -448,8 +420,8 @@ class TierManager:
             tokens = request.token_ids[index * size:(index + 1) * size]
             if self.device.register(block, request.block_hashes[index], tokens):
                 if self.config.write_policy == "write_through":
-                    self._write_through(block)
-                self._remember_unpersisted(block)
+                    self.write_back.write_through(block)
+                self.write_back.remember_unpersisted(block)
         self.tables.set_registered(rb, max(rb.num_registered, num_full))
 
     def release(self, request: Request) -> None:
@@ -461,12 +433,7 @@ class TierManager:
         rb = self.tables.remove(request.request_id)
         if rb is None:
             return
-        in_flight = set()
-        if rb.load is not None:
-            rb.load.request = None
-            self._orphans.append(rb.load)
-            self.stats.orphaned_loads += 1
-            in_flight = {id(block) for block in rb.load.targets}
+        in_flight = self.loads.orphan(rb)
         self.device.free(block for block in reversed(rb.blocks) if id(block) not in in_flight)
 
     def fork(self, leader: Request, sample: Request) -> None:
@@ -491,180 +458,21 @@ class TierManager:
         sample.num_computed_tokens = num_prompt if copied else num_full * size
         self.tables.announce(rb)
 
-    # ---- moving blocks down ---------------------------------------------------------------------
-    def _offload_evicted(self, evicted: Sequence[EvictedBlock]) -> None:
-        """Write-back: copy device blocks evicted from the cache to host (or straight to the store)."""
-        self.stats.count(self.stats.evicted_blocks, "device", len(evicted))
-        if not evicted:
-            return
-        if self.host is None:
-            for item in evicted:
-                self._write_to_store("device", item.block_id, item.block_hash, item.token_ids)
-            return
-        todo = [item for item in evicted if not self.host.contains(item.block_hash)]
-        todo = todo[:self.host.num_available]
-        if not todo:
-            return
-        slots, host_evicted = self.host.allocate(len(todo))
-        self._store_host_evictions(host_evicted)
-        if not self.moves.copy("device", "host", [(item.block_id, slot.block_id) for item, slot in zip(todo, slots)]):
-            self.host.free(slots)                       # unhashed: back to FREE; the evicted KV is not kept
-            return
-        for item, slot in zip(todo, slots):
-            self.host.register(slot, item.block_hash, item.token_ids)
-        self.host.free(slots)
-        self.stats.count(self.stats.offloaded_blocks, "host", len(slots))
-
-    def _write_through(self, block: Block) -> None:
-        """Copy a block that just became full to host (and on to the store) while it stays on device."""
-        if self.host is None:
-            self._write_to_store("device", block.block_id, block.block_hash, block.token_ids)
-            return
-        if self.host.contains(block.block_hash):
-            return
-        got = self.host.allocate(1) if self.host.num_available else None
-        if got is None:
-            return
-        (slot,), host_evicted = got
-        self._store_host_evictions(host_evicted)
-        if not self.moves.copy("device", "host", [(block.block_id, slot.block_id)]):
-            self.host.free([slot])
-            return
-        self.host.register(slot, block.block_hash, block.token_ids)
-        self.host.free([slot])
-        self.stats.count(self.stats.offloaded_blocks, "host", 1)
-        self._write_to_store("host", slot.block_id, block.block_hash, block.token_ids)
-
-    def _store_host_evictions(self, evicted: Sequence[EvictedBlock]) -> None:
-        """Host blocks about to be overwritten: their record goes to the store first (write-back)."""
-        self.stats.count(self.stats.evicted_blocks, "host", len(evicted))
-        if self.config.write_policy == "write_back":
-            for item in evicted:
-                self._write_to_store("host", item.block_id, item.block_hash, item.token_ids)
-
-    def _write_to_store(self, tier: str, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Snapshot the block's record now (its buffer may be reused next) and write it off the step loop.
-
-        A block this engine wrote (or is writing) is not written twice; a write that fails or runs
-        past its deadline is forgotten, so a later eviction of the block writes it again.
-        """
-        if self.store_io is None or self.store_io.wrote(block_hash):
-            return
-        if not self.store_io.has_room():
-            self.stats.dropped_writes += 1
-            return
-        record = self.moves.encode(tier, block_id, block_hash, token_ids)
-        if record is not None:
-            self.store_io.put(block_hash, record)
-
-    # ---- persistence ----------------------------------------------------------------------------
-    # Write-back sends a block to the store only when host evicts it, so a process that stops
-    # before that takes its cache with it. With `persist`, every block that becomes full is
-    # remembered, and persist() writes the ones still on device or host to the store; the engine
-    # calls it when it has nothing else to do and, with no limit, at close. A block that left both
-    # tiers meanwhile went to the store by eviction (or was lost with a dropped write).
-    def _remember_unpersisted(self, block: Block) -> None:
-        if self.store_io is None or not self.config.persist or self.store_io.wrote(block.block_hash):
-            return
-        self._unpersisted[block.block_hash] = block.token_ids
-        if len(self._unpersisted) > MAX_UNPERSISTED:
-            self._unpersisted.popitem(last=False)
-
+    # ---- moving blocks down, persistence ------------------------------------------------------
     @property
     def num_unpersisted(self) -> int:
         """Full blocks not yet written to the store by persist() (some may have left by eviction)."""
-        return len(self._unpersisted)
+        return len(self.write_back.unpersisted)
 
     def persist(self, limit: int | None = None) -> int:
-        """Start store writes for up to `limit` remembered blocks, oldest first; how many started.
-
-        Stops early while MAX_PENDING_WRITES writes are out, so nothing is dropped for lack of room:
-        the rest waits for the next call.
-        """
-        started = 0
-        while self._unpersisted and (limit is None or started < limit) and self.store_io.has_room():
-            block_hash, token_ids = self._unpersisted.popitem(last=False)
-            for tier, pool in (("device", self.device), ("host", self.host)):
-                block = pool.lookup(block_hash, token_ids) if pool is not None else None
-                if block is not None:
-                    self._write_to_store(tier, block.block_id, block_hash, token_ids)
-                    started += 1
-                    break
-        return started
+        return self.write_back.persist(limit)
 
     # ---- settling loads -------------------------------------------------------------------------
     def poll_loads(self) -> list[Request]:
-        """Settle every load that finished or timed out; return the requests ready to run."""
-        ready = []
-        for rb in list(self.tables.loading.values()):
-            loaded = self._settle(rb.load)
-            if loaded is not None:
-                self.tables.end_load(rb)
-                self.tables.set_registered(rb, rb.num_registered + loaded)
-                ready.append(rb.request)
-        self._orphans = [load for load in self._orphans if self._settle(load) is None]
-        if self.store_io is not None:
-            self.store_io.settle()
-        return ready
+        return self.loads.poll()
 
     def wait_for_transfers(self, timeout: float) -> None:
-        """Block until some transfer may have settled (the engine calls this when it has nothing else)."""
-        pending = [rb.load.future for rb in self.tables.loading.values()] + [t.future for t in self._orphans]
-        pending += self.store_io.pending() if self.store_io is not None else []
-        if pending:
-            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
-
-    def _settle(self, load: LoadTransfer) -> int | None:
-        """Apply a finished load (or give up on a late one); None while it is still running.
-
-        Returns how many leading blocks loaded: those are indexed, the rest become ordinary blocks
-        whose tokens the request recomputes. An orphaned load's loaded blocks go to the cache.
-        """
-        reason = None                                     # one reason per failed load
-        if load.future.done():
-            try:
-                records = load.future.result()
-            except Exception as exc:
-                self.store_io.error(exc)
-                reason, records = "error", []
-        elif self.clock() >= load.deadline:
-            reason, records = "timeout", []
-        else:
-            return None
-        loaded = 0
-        for target, block_hash, tokens, record in zip(load.targets, load.hashes, load.token_ids, records):
-            if record is None:
-                reason = "missing"
-                break
-            try:
-                self.moves.mover.decode_into("device", target.block_id, record, block_hash, tokens)
-            except Exception as exc:
-                reason = getattr(exc, "reason", None)
-                if reason is None:                        # not the record's fault: keep it
-                    self.moves.fault("decode", exc)
-                    reason = "decode"
-                    break
-                logger.warning("dropping a bad store record (%s): %s", reason, exc)
-                self.store_io.delete(block_hash)
-                break
-            loaded += 1
-        if loaded < len(load.targets):
-            self.stats.count(self.stats.load_failures, reason or "missing")
-        for index, target in enumerate(load.targets):
-            ok = index < loaded
-            if load.orphaned:
-                self.device.end_transfer(target, BlockState.CACHED if ok else BlockState.FREE,
-                                         load.hashes[index], load.token_ids[index])
-            else:
-                self.device.end_transfer(target, BlockState.USED, load.hashes[index] if ok else None,
-                                         load.token_ids[index] if ok else None)
-        self.stats.count(self.stats.loaded_blocks, "store", loaded)
-        self.stats.load_seconds += self.clock() - load.started
-        if not load.orphaned:
-            load.request.num_computed_tokens += loaded * self.block_size
-            if load.first_admission:
-                self.stats.count_hits(load.request, "store", loaded * self.block_size)
-        return loaded
+        self.loads.wait(timeout)
 
     # ---- audit ----------------------------------------------------------------------------------
     def counts(self) -> dict[str, PoolCounts]:
@@ -696,7 +504,7 @@ class TierManager:
                 f"sample {sample_id} has a place but its leader {leader.request_id} holds no blocks"
             if pending.block is not None:
                 holders[pending.block.block_id] = holders.get(pending.block.block_id, 0) + 1
-        for load in self._orphans:
+        for load in self.loads.orphans:
             assert load.orphaned, "an orphaned load still names a request"
             in_flight.extend(block.block_id for block in load.targets)
         assert len(in_flight) == len(set(in_flight)), "a block is the target of two loads"

@@ -235,7 +235,7 @@ def test_an_exception_inside_commit_leaves_scheduler_and_tiers_in_step(monkeypat
 
     def boom(*args):
         raise InjectedFault("executor", 1)
-    monkeypatch.setattr(tiers, "_admit_loads", boom)
+    monkeypatch.setattr(tiers.loads, "start", boom)
     with pytest.raises(InjectedFault):
         scheduler.schedule()
     assert scheduler.in_step == [request] and request.status is RequestStatus.WAITING

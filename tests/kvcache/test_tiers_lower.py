@@ -171,7 +171,7 @@ def test_exception_after_load_targets_are_allocated_rolls_back_whole(monkeypatch
 
     def boom(*args):
         raise OSError("injected after the load targets were allocated")
-    monkeypatch.setattr(scheduler.tiers, "_admit_loads", boom)
+    monkeypatch.setattr(scheduler.tiers.loads, "start", boom)
     with pytest.raises(OSError, match="injected"):
         scheduler.tiers.commit(plan)
     assert scheduler.tiers.snapshot(with_order=False) == before
