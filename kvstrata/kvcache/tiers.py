@@ -53,108 +53,39 @@ Only this class and its parts call the pools; the scheduler sees block ids and c
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from kvstrata.core.config import CacheConfig
-from kvstrata.core.hashing import BlockHash
-from kvstrata.core.request import Request, RequestStatus
-from kvstrata.kvcache.block_pool import (
-    Block,
-    BlockPool,
-    BlockState,
-    PoolCounts,
-)
-from kvstrata.kvcache.block_tables import BlockTables, PendingFork, RequestBlocks
+from kvstrata.core.request import Request
+from kvstrata.kvcache.admission import Admission, AdmissionPlan, DecodeReservation
+from kvstrata.kvcache.audit import audit_tiers, pool_counts, snapshot_tiers
+from kvstrata.kvcache.block_pool import Block, BlockPool, PoolCounts
+from kvstrata.kvcache.block_tables import BlockTables
+from kvstrata.kvcache.growth import Growth
 from kvstrata.kvcache.guarded_mover import GuardedMover
 from kvstrata.kvcache.loads import StoreLoads
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.transfers import BlockMover, Executor
 from kvstrata.kvcache.write_back import WriteBack
 
-
-@dataclass
-class AdmissionPlan:
-    """Everything one admission will take. Computed by `plan()`, consumed once by `commit()`."""
-
-    request: Request
-    epoch: int
-    hit_blocks: list[Block]            # device prefix hit, in order
-    num_touched_cached: int            # hits that are CACHED now
-    load_host: list[Block]             # host blocks to copy into fresh device blocks
-    load_store: list[BlockHash]        # store records to load into fresh device blocks
-    num_new_blocks: int                # blocks for this chunk's uncached tokens
-    num_new_tokens: int                # tokens to compute once the loads have landed
-    reserve: int                       # blocks kept back for decode growth
-    forks: list[Request] = field(default_factory=list)    # a leader's samples waiting to fork
-    num_fork_blocks: int = 0           # their copies of the partly filled last prompt block
-
-    @property
-    def num_loads(self) -> int:
-        return len(self.load_host) + len(self.load_store)
-
-    @property
-    def num_hit_tokens(self) -> int:
-        """Tokens whose KV comes from a cache tier (device hits plus loads)."""
-        return (len(self.hit_blocks) + self.num_loads) * self.request.hasher.block_size
-
-    @property
-    def num_blocks_taken(self) -> int:
-        return self.num_touched_cached + self.num_loads + self.num_new_blocks + self.num_fork_blocks
-
-    @property
-    def num_blocks_needed(self) -> int:
-        return self.num_blocks_taken + self.reserve
-
-
-@dataclass
-class DecodeReservation:
-    """Blocks kept free at admission for running requests to grow into.
-
-    A request's future KV is its pending tokens (the rest of its prompt, the token just sampled)
-    plus `ratio` times the tokens it may still sample (clipped). The ratio starts at `init`, decays
-    by `decay` per non-empty step to `floor`, and jumps back to `init` after a preemption: a
-    preemption is the sign that the last admissions were too optimistic.
-    """
-
-    init: float
-    floor: float
-    decay: float
-    clip_tokens: int
-    ratio: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.ratio = self.init
-
-    @classmethod
-    def from_config(cls, config: CacheConfig) -> DecodeReservation:
-        return cls(config.reserve_ratio_init, config.reserve_ratio_min, config.reserve_ratio_decay,
-                   config.reserve_clip_tokens)
-
-    def on_step(self) -> None:
-        self.ratio = max(self.floor, self.ratio - self.decay)
-
-    def on_preemption(self) -> None:
-        self.ratio = self.init
-
-    def blocks(self, request: Request, num_tokens_with_kv: int, num_slots: int, block_size: int) -> int:
-        """Blocks `request` may still need beyond `num_slots` KV slots, `num_tokens_with_kv` of them filled."""
-        pending = request.num_tokens - num_tokens_with_kv
-        # The last token a request samples never needs KV, hence the - 1: at ratio 1 a request
-        # alone in the pool reserves exactly what add_request checked it could ever need.
-        decode_left = min(max(0, request.sampling.max_tokens - request.num_output_tokens - 1), self.clip_tokens)
-        future = pending + math.ceil(decode_left * self.ratio)
-        return max(0, math.ceil((future - (num_slots - num_tokens_with_kv)) / block_size))
-
-
 PROBE_WAIT_S = 0.005          # how long plan() waits for a store lookup before deferring the request
 
 
 class TierManager:
-    """Owns the tiers' pools, every request's block table and every transfer record."""
+    """Owns the tiers' pools, every request's block table and every transfer record.
+
+    The work is done by parts, each holding only what its job needs, wired here:
+
+        tables       who holds which blocks, the announced hashes, the samples' places   block_tables.py
+        admission    prepare, plan, commit with its rollback, host-hit copies              admission.py
+        growth       grow, cache_full_blocks, fork, release                                growth.py
+        loads        store loads: start, settle, abandon, orphan; waiting for transfers    loads.py
+        write_back   offload on eviction, write-through, store writes, persist            write_back.py
+
+    and the audit (audit.py) reads them all. The methods below are the tier manager's whole API.
+    """
 
     def __init__(self, config: CacheConfig, num_device_blocks: int, num_host_blocks: int = 0,
                  store=None, mover: BlockMover | None = None, executor: Executor | None = None,
@@ -167,16 +98,20 @@ class TierManager:
         assert (self.host is None and store is None) or mover is not None, "lower tiers need a BlockMover"
         self.mover = mover
         self.clock = clock
-        self._step = 0
         self.reservation = DecodeReservation.from_config(config)
         self.stats = CacheStats()
         self.store_io = None if store is None else StoreIO(
             store, executor or ThreadPoolExecutor(4, thread_name_prefix="kvstrata-store"), clock,
             config.store_timeout, self.stats, probe_wait)
-        self.moves = GuardedMover(mover, self.stats) if mover is not None else None
+        moves = GuardedMover(mover, self.stats) if mover is not None else None
         self.tables = BlockTables(config.enable_prefix_caching)
-        self.loads = StoreLoads(config, self.device, self.tables, self.store_io, self.moves, self.stats, clock)
-        self.write_back = WriteBack(config, self.device, self.host, self.store_io, self.moves, self.stats)
+        self.loads = StoreLoads(config, self.device, self.tables, self.store_io, moves, self.stats, clock)
+        self.write_back = WriteBack(config, self.device, self.host, self.store_io, moves, self.stats)
+        self.admission = Admission(config, device=self.device, host=self.host, store_io=self.store_io,
+                                   tables=self.tables, reservation=self.reservation, loads=self.loads,
+                                   write_back=self.write_back, moves=moves, stats=self.stats)
+        self.growth = Growth(config, device=self.device, tables=self.tables, loads=self.loads,
+                             write_back=self.write_back, moves=moves, store_io=self.store_io)
 
     # ---- queries (pure) -------------------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
@@ -194,38 +129,15 @@ class TierManager:
         """Loads or writes still running (the engine keeps stepping until they settle)."""
         return self.loads.has_transfers
 
-    def _max_hit_blocks(self, request: Request) -> int:
-        """Full blocks a hit may cover: the last token is always computed, for its logits."""
-        return (request.num_tokens - 1) // self.block_size if self.config.enable_prefix_caching else 0
-
-    def _match(self, pool: BlockPool | None, request: Request, start: int, stop: int) -> list[Block]:
-        if pool is None:
-            return []
-        size, hits = self.block_size, []
-        for index in range(start, stop):
-            block = pool.lookup(request.block_hashes[index], request.token_ids[index * size:(index + 1) * size])
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-
     def match_device(self, request: Request) -> list[Block]:
-        return self._match(self.device, request, 0, self._max_hit_blocks(request))
+        return self.admission.match_device(request)
 
     def cached_prefix_tokens(self, request: Request) -> int:
         return len(self.match_device(request)) * self.block_size
 
     def reserve_for_running(self) -> int:
         """Blocks the requests holding blocks (and the samples waiting to fork) may still grow into."""
-        return sum(self.reservation.blocks(rb.request, rb.request.num_computed_tokens,
-                                           len(rb.blocks) * self.block_size, self.block_size)
-                   for rb in self.tables.by_request.values()) + sum(map(self._fork_reserve, self.tables.forks.values()))
-
-    def _fork_reserve(self, pending: PendingFork | Request) -> int:
-        """A sample's decode growth beyond the last prompt block it will hold after the fork."""
-        request = pending.request if isinstance(pending, PendingFork) else pending
-        slots = math.ceil(request.num_prompt_tokens / self.block_size) * self.block_size
-        return self.reservation.blocks(request, request.num_prompt_tokens, slots, self.block_size)
+        return self.admission.reserve_for_running()
 
     @property
     def num_pending_forks(self) -> int:
@@ -235,286 +147,72 @@ class TierManager:
     def has_fork(self, request_id: str) -> bool:
         return request_id in self.tables.forks
 
-    # ---- admission ------------------------------------------------------------------------------
+    def waits_for_computing(self, request: Request) -> bool:
+        """Whether the request's next uncached block is one another request is computing (pure)."""
+        return self.admission.waits_for_computing(request)
+
+    # ---- admission (admission.py) ---------------------------------------------------------------
     def on_step(self, nonempty: bool) -> None:
-        self._step += 1
-        if nonempty:
-            self.reservation.on_step()
+        self.admission.on_step(nonempty)
 
     def prepare(self, request: Request) -> bool:
-        """Make sure plan() sees an answer from the store about this request's blocks.
-
-        A lookup runs on the store executor, waited for at most `probe_wait` seconds here: False while
-        it is out. An answer older than one step is asked again (blocks reach the store all the time). A
-        lookup that failed or ran past `store_timeout` answers "no hits", once, is not asked again
-        until the next step but one, and the lookup after it is not waited for.
-        """
-        if self.store_io is None or not self.config.enable_prefix_caching:
-            return True
-        if self.store_io.needs_lookup(request.request_id, self._step):
-            limit = self._max_hit_blocks(request)
-            local = len(self._match(self.device, request, 0, limit))
-            local += len(self._match(self.host, request, local, limit))
-            if local >= limit:
-                return True                               # nothing left for the store to supply
-            self.store_io.look_up(request.request_id, request.block_hashes[:limit], self._step)
-        return self.store_io.answered(request.request_id, self._step)
+        """Make sure plan() sees an answer from the store about this request's blocks."""
+        return self.admission.prepare(request)
 
     def plan(self, request: Request, max_new_tokens: int, whole: bool = False) -> AdmissionPlan | None:
-        """Plan admitting `request` with a chunk of at most `max_new_tokens`; None if it does not fit.
-
-        With `whole`, the chunk must reach the end of the request (no chunked prefill). Pure.
-        """
-        assert request.request_id not in self.tables.by_request, f"{request.request_id} already holds blocks"
-        size = self.block_size
-        hits, host, store = self._hits(request)
-        num_hits = len(hits) + len(host) + len(store)
-        if self._computing_block(request, num_hits):
-            return None                                   # another request is computing it: wait, then hit
-        num_hit_tokens = num_hits * size
-        num_new_tokens = min(request.num_tokens - num_hit_tokens, max_new_tokens)
-        if num_new_tokens <= 0 or (whole and num_hit_tokens + num_new_tokens < request.num_tokens):
-            return None
-        num_blocks = math.ceil((num_hit_tokens + num_new_tokens) / size)
-        own_future = self.reservation.blocks(request, num_hit_tokens + num_new_tokens, num_blocks * size, size)
-        forks = request.family.pending if request.family is not None else []
-        assert not any(f.request_id in self.tables.forks for f in forks), "a family's samples are already placed"
-        partial_last_block = request.num_prompt_tokens % size != 0
-        plan = AdmissionPlan(
-            request=request, epoch=self.device.epoch, hit_blocks=hits,
-            num_touched_cached=sum(block.state is BlockState.CACHED for block in hits),
-            load_host=host, load_store=store,
-            num_new_blocks=num_blocks - len(hits) - len(host) - len(store),
-            num_new_tokens=num_new_tokens,
-            reserve=self.reserve_for_running() + own_future + sum(map(self._fork_reserve, forks)),
-            forks=forks, num_fork_blocks=len(forks) if partial_last_block else 0)
-        return plan if self.fits(plan) else None
-
-    def _hits(self, request: Request) -> tuple[list[Block], list[Block], list[BlockHash]]:
-        """The request's prefix hit, tier by tier: device blocks, then host blocks, then store hashes."""
-        limit = self._max_hit_blocks(request)
-        hits = self._match(self.device, request, 0, limit)
-        host = self._match(self.host, request, len(hits), limit)
-        return hits, host, self._store_hits(request, len(hits) + len(host), limit)
-
-    def _computing_block(self, request: Request, index: int) -> bool:
-        return index < self._max_hit_blocks(request) and request.block_hashes[index] in self.tables.computing
-
-    def waits_for_computing(self, request: Request) -> bool:
-        """Whether the request's next uncached block is one another request is computing (pure).
-
-        plan() refuses such a request; the scheduler lets others pass it meanwhile.
-        """
-        return self._computing_block(request, sum(map(len, self._hits(request))))
-
-    def _store_hits(self, request: Request, start: int, stop: int) -> list[BlockHash]:
-        if self.store_io is None:
-            return []
-        return self.store_io.hits(request.request_id, request.block_hashes, start, stop)
+        """Plan admitting `request` with a chunk of at most `max_new_tokens`; None if it does not fit. Pure."""
+        return self.admission.plan(request, max_new_tokens, whole)
 
     def fits(self, plan: AdmissionPlan) -> bool:
-        return plan.num_blocks_needed <= self.device.num_available
+        return self.admission.fits(plan)
 
     def commit(self, plan: AdmissionPlan) -> None:
-        """Take every block of the plan as one transaction: on any exception, undo all and re-raise.
+        """Take every block of the plan as one transaction: on any exception, undo all and re-raise."""
+        self.admission.commit(plan)
 
-        Then come the compensated steps, which never raise (a failure costs recomputation only):
-        offload what the allocation evicted, and copy host hits to device.
-        """
-        request = plan.request
-        if plan.epoch != self.device.epoch:
-            raise RuntimeError(f"stale plan for {request.request_id}: the pool changed since it was made")
-        if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            raise RuntimeError(f"plan for {request.request_id}: the request is {request.status.name}, not waiting")
-        if not self.fits(plan) or plan.num_new_tokens < 1:
-            raise RuntimeError(f"plan for {request.request_id} does not fit or computes nothing; "
-                               "plan() would have refused it")
-        undo: list[Callable[[], None]] = []
-        try:
-            self.device.touch(plan.hit_blocks)
-            undo.append(lambda: self.device.free(reversed(plan.hit_blocks)))
-            if plan.load_host:
-                self.host.touch(plan.load_host)       # pinned: the offload below must not evict them
-                undo.append(lambda: self.host.free(plan.load_host))
-            got = self.device.allocate(len(plan.load_host) + plan.num_new_blocks + plan.num_fork_blocks)
-            assert got is not None, "allocation failed after fits() said yes"
-            new_blocks, evicted = got
-            undo.append(lambda: (self.device.free(reversed(new_blocks)), self.device.unevict(evicted)))
-            flight = self.device.start_transfer(len(plan.load_store))
-            assert flight is not None, "load targets unavailable after fits() said yes"
-            targets, evicted_for_targets = flight
-            undo.append(lambda: ([self.device.end_transfer(block, BlockState.FREE) for block in targets],
-                                 self.device.unevict(evicted_for_targets)))
-            host_targets = new_blocks[:len(plan.load_host)]
-            table = plan.hit_blocks + host_targets + targets + new_blocks[len(plan.load_host):len(new_blocks)
-                                                                          - plan.num_fork_blocks]
-            self.tables.place_forks(plan.forks, new_blocks[len(new_blocks) - plan.num_fork_blocks:])
-            first_admission = request.num_cached_tokens < 0
-            load = self.loads.start(request, len(plan.hit_blocks) + len(plan.load_host), plan.load_store, targets,
-                                    first_admission)
-            rb = RequestBlocks(request, table, len(plan.hit_blocks), load)
-            self.tables.add(rb)
-        except BaseException:
-            self.tables.remove(request.request_id)
-            for sample in plan.forks:
-                self.tables.forks.pop(sample.request_id, None)
-            for step in reversed(undo):
-                step()
-            raise
-        if self.store_io is not None:
-            self.store_io.forget_lookup(request.request_id)
-        self.write_back.offload_evicted(evicted + evicted_for_targets)
-        num_host_loaded = len(host_targets) if self._copy_host_hits(plan, host_targets) else 0
-        if num_host_loaded < len(host_targets) and rb.load is not None:
-            self.loads.abandon(rb, "behind_failed_copy")  # its blocks follow blocks that are recomputed
-        self.tables.set_registered(rb, rb.num_registered + num_host_loaded)
-        self.tables.announce(rb)
-        request.num_computed_tokens = len(plan.hit_blocks) * self.block_size + num_host_loaded * self.block_size
-        if first_admission:
-            self.stats.prompt_tokens += request.num_prompt_tokens
-            request.num_cached_tokens = 0
-            self.stats.count_hits(request, "device", len(plan.hit_blocks) * self.block_size)
-            self.stats.count_hits(request, "host", num_host_loaded * self.block_size)
-
-    def _copy_host_hits(self, plan: AdmissionPlan, targets: list[Block]) -> bool:
-        """Copy host hits into their device blocks and index them there; whatever happens, unpin the
-        host blocks. False if the copy failed: the targets stay ordinary blocks, to be recomputed."""
-        if not targets:
-            return True
-        pairs = [(src.block_id, dst.block_id) for src, dst in zip(plan.load_host, targets)]
-        copied = self.moves.copy("host", "device", pairs)
-        self.host.free(plan.load_host)                  # unpinned, and now most recently used
-        if not copied:
-            return False
-        for src, dst in zip(plan.load_host, targets):
-            self.device.register(dst, src.block_hash, src.token_ids)
-        self.stats.count(self.stats.loaded_blocks, "host", len(targets))
-        return True
-
-    # ---- growth and release ---------------------------------------------------------------------
+    # ---- growth and release (growth.py) ---------------------------------------------------------
     def grow(self, request: Request, num_new_tokens: int) -> bool:
         """Give a request holding blocks room for `num_new_tokens` more tokens. All or nothing."""
-        rb = self.tables[request.request_id]
-        needed = math.ceil((request.num_computed_tokens + num_new_tokens) / self.block_size) - len(rb.blocks)
-        if needed <= 0:
-            return True
-        got = self.device.allocate(needed)
-        if got is None:
-            return False
-        new_blocks, evicted = got
-        rb.extend(new_blocks)
-        self.tables.announce(rb)
-        self.write_back.offload_evicted(evicted)
-        return True
+        return self.growth.grow(request, num_new_tokens)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks whose every token now has KV, so others can hit them."""
-        rb = self.tables[request.request_id]
-        num_full = request.num_computed_tokens // self.block_size
-        if not self.config.enable_prefix_caching:
-            self.tables.set_registered(rb, num_full)
-            return
-        size = self.block_size
-        for index in range(rb.num_registered, num_full):
-            block = rb.blocks[index]
-            tokens = request.token_ids[index * size:(index + 1) * size]
-            if self.device.register(block, request.block_hashes[index], tokens):
-                if self.config.write_policy == "write_through":
-                    self.write_back.write_through(block)
-                self.write_back.remember_unpersisted(block)
-        self.tables.set_registered(rb, max(rb.num_registered, num_full))
+        self.growth.cache_full_blocks(request)
+
+    def fork(self, leader: Request, sample: Request) -> None:
+        """Give `sample` the leader's prompt, in the place taken for it at admission."""
+        self.growth.fork(leader, sample)
 
     def release(self, request: Request) -> None:
         """Return every block the request holds, tail first; a pending load is left to settle on its own."""
-        if self.store_io is not None:
-            self.store_io.forget_lookup(request.request_id)
-        for block in self.tables.drop_forks(request):
-            self.device.free([block])
-        rb = self.tables.remove(request.request_id)
-        if rb is None:
-            return
-        in_flight = self.loads.orphan(rb)
-        self.device.free(block for block in reversed(rb.blocks) if id(block) not in in_flight)
+        self.growth.release(request)
 
-    def fork(self, leader: Request, sample: Request) -> None:
-        """Give `sample` the leader's prompt: one more reference to each full prompt block, and a copy
-        of the partly filled last one in the block taken for it at admission. Never raises for space.
-
-        Call after the step that computed the leader's last prompt token. If the copy fails, the
-        sample's last block is an ordinary block and it recomputes those few tokens.
-        """
-        pending = self.tables.forks.pop(sample.request_id)
-        source = self.tables[leader.request_id]
-        size, num_prompt = self.block_size, leader.num_prompt_tokens
-        num_full = num_prompt // size
-        assert leader.num_computed_tokens >= num_prompt and source.num_registered >= num_full, \
-            f"{leader.request_id} forks before its prompt is computed"
-        shared = source.blocks[:num_full]
-        self.device.touch(shared)
-        rb = RequestBlocks(sample, shared + ([pending.block] if pending.block is not None else []), num_full)
-        self.tables.add(rb)
-        copied = pending.block is None or (self.moves is not None and self.moves.copy(
-            "device", "device", [(source.blocks[num_full].block_id, pending.block.block_id)]))
-        sample.num_computed_tokens = num_prompt if copied else num_full * size
-        self.tables.announce(rb)
-
-    # ---- moving blocks down, persistence ------------------------------------------------------
+    # ---- moving blocks down, persistence (write_back.py) ----------------------------------------
     @property
     def num_unpersisted(self) -> int:
         """Full blocks not yet written to the store by persist() (some may have left by eviction)."""
         return len(self.write_back.unpersisted)
 
     def persist(self, limit: int | None = None) -> int:
+        """Start store writes for up to `limit` remembered blocks, oldest first; how many started."""
         return self.write_back.persist(limit)
 
-    # ---- settling loads -------------------------------------------------------------------------
+    # ---- settling loads (loads.py) --------------------------------------------------------------
     def poll_loads(self) -> list[Request]:
+        """Settle every load that finished or timed out; return the requests ready to run."""
         return self.loads.poll()
 
     def wait_for_transfers(self, timeout: float) -> None:
+        """Block until some transfer may have settled (the engine calls this when it has nothing else)."""
         self.loads.wait(timeout)
 
-    # ---- audit ----------------------------------------------------------------------------------
+    # ---- audit (audit.py) -----------------------------------------------------------------------
     def counts(self) -> dict[str, PoolCounts]:
-        counts = {"device": self.device.counts()}
-        if self.host is not None:
-            counts["host"] = self.host.counts()
-        return counts
+        return pool_counts(self.device, self.host)
 
     def audit(self) -> dict[str, PoolCounts]:
         """Check every pool against the block tables and transfer records; raise AuditError naming blocks."""
-        holders: dict[int, int] = {}
-        in_flight: list[int] = []
-        announced: dict[BlockHash, int] = {}
-        for rb in self.tables.by_request.values():
-            assert not rb.request.is_finished, f"finished request {rb.request.request_id} still holds blocks"
-            assert rb.num_registered <= rb.num_announced <= len(rb.blocks), f"{rb.request.request_id} announcements"
-            for block_hash in rb.request.block_hashes[rb.num_registered:rb.num_announced]:
-                announced[block_hash] = announced.get(block_hash, 0) + 1
-            loading = {id(b) for b in rb.load.targets} if rb.load else set()
-            assert rb.load is None or rb.load.request is rb.request, "a load record lost its request"
-            for block in rb.blocks:
-                if id(block) in loading:
-                    in_flight.append(block.block_id)
-                else:
-                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        for sample_id, pending in self.tables.forks.items():
-            leader = pending.request.family.leader
-            assert pending.request.status is RequestStatus.AWAITING_FORK and leader.request_id in self.tables.by_request, \
-                f"sample {sample_id} has a place but its leader {leader.request_id} holds no blocks"
-            if pending.block is not None:
-                holders[pending.block.block_id] = holders.get(pending.block.block_id, 0) + 1
-        for load in self.loads.orphans:
-            assert load.orphaned, "an orphaned load still names a request"
-            in_flight.extend(block.block_id for block in load.targets)
-        assert len(in_flight) == len(set(in_flight)), "a block is the target of two loads"
-        assert {rid for rid, rb in self.tables.by_request.items() if rb.load} == set(self.tables.loading), "loading index is stale"
-        assert announced == self.tables.computing, "announced block hashes disagree with the block tables"
-        counts = {"device": self.device.audit(holders, in_flight)}
-        if self.host is not None:
-            counts["host"] = self.host.audit({})
-        return counts
+        return audit_tiers(self.tables, self.loads.orphans, self.device, self.host)
 
     def snapshot(self, with_order: bool = True) -> tuple:
-        return (self.device.snapshot(with_order), self.host.snapshot(with_order) if self.host else None,
-                tuple(sorted((rid, tuple(self.block_ids(rid))) for rid in self.tables.by_request)))
+        return snapshot_tiers(self.tables, self.device, self.host, with_order)

@@ -292,12 +292,7 @@ def make_tiered_scheduler(num_blocks=16, num_host_blocks=8, block_size=4, store=
 
 def unchecked_plan(tiers: TierManager, request, max_new_tokens: int = 4096):
     """A plan as plan() computes it, before its fits() verdict (for building refused scenarios)."""
-    original = tiers.fits
-    tiers.fits = lambda plan: True
-    try:
-        return tiers.plan(request, max_new_tokens)
-    finally:
-        tiers.fits = original
+    return tiers.admission.draft(request, max_new_tokens)
 
 
 # ---- scenarios ------------------------------------------------------------------------------------

@@ -168,7 +168,6 @@ def test_reservation_counts_pending_prompt_and_scaled_decode():
 
 
 def test_hash_chain_matches_across_requests():
-    tm = manager()
     a = make_request("a", [5, 6, 7, 8, 9])
     assert a.block_hashes == [hash_block(a.hasher.root, [5, 6, 7, 8])]
     b = make_request("b", [5, 6, 7, 8, 1])
