@@ -21,6 +21,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from kvstrata.core.hashing import BlockHash
+from kvstrata.core.request import Request
 from kvstrata.kvcache.transfers import Executor
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,12 @@ class CacheStats:
 
     def count(self, table: dict[str, int], key: str, n: int = 1) -> None:
         table[key] = table.get(key, 0) + n
+
+    def count_hits(self, request: Request, tier: str, num_tokens: int) -> None:
+        """Credit prompt tokens served by `tier` to the request and here (at its first admission only)."""
+        num_tokens = min(num_tokens, request.num_prompt_tokens - request.num_cached_tokens)
+        request.num_cached_tokens += num_tokens
+        self.count(self.hit_tokens, tier, num_tokens)
 
 
 @dataclass

@@ -48,150 +48,44 @@ block. Each side effect is either inside a transaction or a compensated step:
     store calls         every lookup, load and write has a deadline; a write that fails or times out is
                         forgotten as stored, so a later eviction writes the block again
 
-Only this class calls the pools; the scheduler sees block ids and counts, never blocks.
+Only this class and its parts call the pools; the scheduler sees block ids and counts, never blocks.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from kvstrata.core.config import CacheConfig
-from kvstrata.core.hashing import BlockHash
-from kvstrata.core.request import Request, RequestStatus
-from kvstrata.kvcache.block_pool import (
-    Block,
-    BlockPool,
-    BlockState,
-    EvictedBlock,
-    PoolCounts,
-)
+from kvstrata.core.request import Request
+from kvstrata.kvcache.admission import Admission, AdmissionPlan, DecodeReservation
+from kvstrata.kvcache.audit import audit_tiers, pool_counts, snapshot_tiers
+from kvstrata.kvcache.block_pool import Block, BlockPool, PoolCounts
+from kvstrata.kvcache.block_tables import BlockTables
+from kvstrata.kvcache.growth import Growth
+from kvstrata.kvcache.guarded_mover import GuardedMover
+from kvstrata.kvcache.loads import StoreLoads
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
-from kvstrata.kvcache.transfers import BlockMover, Executor, LoadTransfer
-
-logger = logging.getLogger(__name__)
-
-MAX_UNPERSISTED = 16384        # full blocks remembered for persist(); the oldest are forgotten beyond
-
-
-@dataclass
-class AdmissionPlan:
-    """Everything one admission will take. Computed by `plan()`, consumed once by `commit()`."""
-
-    request: Request
-    epoch: int
-    hit_blocks: list[Block]            # device prefix hit, in order
-    num_touched_cached: int            # hits that are CACHED now
-    load_host: list[Block]             # host blocks to copy into fresh device blocks
-    load_store: list[BlockHash]        # store records to load into fresh device blocks
-    num_new_blocks: int                # blocks for this chunk's uncached tokens
-    num_new_tokens: int                # tokens to compute once the loads have landed
-    reserve: int                       # blocks kept back for decode growth
-    forks: list[Request] = field(default_factory=list)    # a leader's samples waiting to fork
-    num_fork_blocks: int = 0           # their copies of the partly filled last prompt block
-
-    @property
-    def num_loads(self) -> int:
-        return len(self.load_host) + len(self.load_store)
-
-    @property
-    def num_hit_tokens(self) -> int:
-        """Tokens whose KV comes from a cache tier (device hits plus loads)."""
-        return (len(self.hit_blocks) + self.num_loads) * self.request.hasher.block_size
-
-    @property
-    def num_blocks_taken(self) -> int:
-        return self.num_touched_cached + self.num_loads + self.num_new_blocks + self.num_fork_blocks
-
-    @property
-    def num_blocks_needed(self) -> int:
-        return self.num_blocks_taken + self.reserve
-
-
-@dataclass
-class DecodeReservation:
-    """Blocks kept free at admission for running requests to grow into.
-
-    A request's future KV is its pending tokens (the rest of its prompt, the token just sampled)
-    plus `ratio` times the tokens it may still sample (clipped). The ratio starts at `init`, decays
-    by `decay` per non-empty step to `floor`, and jumps back to `init` after a preemption: a
-    preemption is the sign that the last admissions were too optimistic.
-    """
-
-    init: float
-    floor: float
-    decay: float
-    clip_tokens: int
-    ratio: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.ratio = self.init
-
-    @classmethod
-    def from_config(cls, config: CacheConfig) -> DecodeReservation:
-        return cls(config.reserve_ratio_init, config.reserve_ratio_min, config.reserve_ratio_decay,
-                   config.reserve_clip_tokens)
-
-    def on_step(self) -> None:
-        self.ratio = max(self.floor, self.ratio - self.decay)
-
-    def on_preemption(self) -> None:
-        self.ratio = self.init
-
-    def blocks(self, request: Request, num_tokens_with_kv: int, num_slots: int, block_size: int) -> int:
-        """Blocks `request` may still need beyond `num_slots` KV slots, `num_tokens_with_kv` of them filled."""
-        pending = request.num_tokens - num_tokens_with_kv
-        # The last token a request samples never needs KV, hence the - 1: at ratio 1 a request
-        # alone in the pool reserves exactly what add_request checked it could ever need.
-        decode_left = min(max(0, request.sampling.max_tokens - request.num_output_tokens - 1), self.clip_tokens)
-        future = pending + math.ceil(decode_left * self.ratio)
-        return max(0, math.ceil((future - (num_slots - num_tokens_with_kv)) / block_size))
-
-
-@dataclass
-class RequestBlocks:
-    """A request's device block table, how many of its blocks are indexed, and its pending load.
-
-    `block_ids` mirrors `blocks` as plain ints, kept in step, so handing the table to the runner
-    every step costs nothing. Blocks [num_registered, num_announced) are full blocks of known
-    tokens that the request is computing or loading: their hashes are in `TierManager._computing`.
-    """
-
-    request: Request
-    blocks: list[Block]
-    num_registered: int = 0
-    load: LoadTransfer | None = None
-    block_ids: list[int] = field(init=False)
-    num_announced: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.block_ids = [block.block_id for block in self.blocks]
-        self.num_announced = self.num_registered
-
-    def extend(self, blocks: list[Block]) -> None:
-        self.blocks.extend(blocks)
-        self.block_ids.extend(block.block_id for block in blocks)
-
-
-@dataclass
-class PendingFork:
-    """A sample admitted with its family's leader, waiting to fork: the block its copy of the
-    leader's partly filled last prompt block will go to (None when the prompt fills its blocks)."""
-
-    request: Request
-    block: Block | None
-
+from kvstrata.kvcache.transfers import BlockMover, Executor
+from kvstrata.kvcache.write_back import WriteBack
 
 PROBE_WAIT_S = 0.005          # how long plan() waits for a store lookup before deferring the request
 
 
 class TierManager:
-    """Owns the tiers' pools, every request's block table and every transfer record."""
+    """Owns the tiers' pools, every request's block table and every transfer record.
+
+    The work is done by parts, each holding only what its job needs, wired here:
+
+        tables       who holds which blocks, the announced hashes, the samples' places   block_tables.py
+        admission    prepare, plan, commit with its rollback, host-hit copies              admission.py
+        growth       grow, cache_full_blocks, fork, release                                growth.py
+        loads        store loads: start, settle, abandon, orphan; waiting for transfers    loads.py
+        write_back   offload on eviction, write-through, store writes, persist            write_back.py
+
+    and the audit (audit.py) reads them all. The methods below are the tier manager's whole API.
+    """
 
     def __init__(self, config: CacheConfig, num_device_blocks: int, num_host_blocks: int = 0,
                  store=None, mover: BlockMover | None = None, executor: Executor | None = None,
@@ -204,605 +98,121 @@ class TierManager:
         assert (self.host is None and store is None) or mover is not None, "lower tiers need a BlockMover"
         self.mover = mover
         self.clock = clock
-        self._step = 0
         self.reservation = DecodeReservation.from_config(config)
         self.stats = CacheStats()
         self.store_io = None if store is None else StoreIO(
             store, executor or ThreadPoolExecutor(4, thread_name_prefix="kvstrata-store"), clock,
             config.store_timeout, self.stats, probe_wait)
-        self._tables: dict[str, RequestBlocks] = {}
-        self._loading: dict[str, RequestBlocks] = {}      # the tables whose request waits on a load
-        self._orphans: list[LoadTransfer] = []
-        self._computing: dict[BlockHash, int] = {}      # announced block hashes -> how many requests
-        self._forks: dict[str, PendingFork] = {}        # sample id -> its place, until its leader forks it
-        self._unpersisted: OrderedDict[BlockHash, tuple[int, ...]] = OrderedDict()   # see persist()
+        moves = GuardedMover(mover, self.stats) if mover is not None else None
+        self.tables = BlockTables(config.enable_prefix_caching)
+        self.loads = StoreLoads(config, self.device, self.tables, self.store_io, moves, self.stats, clock)
+        self.write_back = WriteBack(config, self.device, self.host, self.store_io, moves, self.stats)
+        self.admission = Admission(config, device=self.device, host=self.host, store_io=self.store_io,
+                                   tables=self.tables, reservation=self.reservation, loads=self.loads,
+                                   write_back=self.write_back, moves=moves, stats=self.stats)
+        self.growth = Growth(config, device=self.device, tables=self.tables, loads=self.loads,
+                             write_back=self.write_back, moves=moves, store_io=self.store_io)
 
     # ---- queries (pure) -------------------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
-        return request_id in self._tables
+        return self.tables.holds(request_id)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table; read-only, and valid until its blocks next change."""
-        return self._tables[request_id].block_ids
+        return self.tables[request_id].block_ids
 
     def is_loading(self, request_id: str) -> bool:
-        return request_id in self._loading
+        return request_id in self.tables.loading
 
     @property
     def has_transfers(self) -> bool:
         """Loads or writes still running (the engine keeps stepping until they settle)."""
-        return bool(self._orphans or self._loading or (self.store_io is not None and self.store_io.has_writes))
-
-    def _max_hit_blocks(self, request: Request) -> int:
-        """Full blocks a hit may cover: the last token is always computed, for its logits."""
-        return (request.num_tokens - 1) // self.block_size if self.config.enable_prefix_caching else 0
-
-    def _match(self, pool: BlockPool | None, request: Request, start: int, stop: int) -> list[Block]:
-        if pool is None:
-            return []
-        size, hits = self.block_size, []
-        for index in range(start, stop):
-            block = pool.lookup(request.block_hashes[index], request.token_ids[index * size:(index + 1) * size])
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.loads.has_transfers
 
     def match_device(self, request: Request) -> list[Block]:
-        return self._match(self.device, request, 0, self._max_hit_blocks(request))
+        return self.admission.match_device(request)
 
     def cached_prefix_tokens(self, request: Request) -> int:
         return len(self.match_device(request)) * self.block_size
 
     def reserve_for_running(self) -> int:
         """Blocks the requests holding blocks (and the samples waiting to fork) may still grow into."""
-        return sum(self.reservation.blocks(rb.request, rb.request.num_computed_tokens,
-                                           len(rb.blocks) * self.block_size, self.block_size)
-                   for rb in self._tables.values()) + sum(map(self._fork_reserve, self._forks.values()))
-
-    def _fork_reserve(self, pending: PendingFork | Request) -> int:
-        """A sample's decode growth beyond the last prompt block it will hold after the fork."""
-        request = pending.request if isinstance(pending, PendingFork) else pending
-        slots = math.ceil(request.num_prompt_tokens / self.block_size) * self.block_size
-        return self.reservation.blocks(request, request.num_prompt_tokens, slots, self.block_size)
+        return self.admission.reserve_for_running()
 
     @property
     def num_pending_forks(self) -> int:
         """Samples admitted with their leader that have not forked yet (each takes a seat)."""
-        return len(self._forks)
+        return len(self.tables.forks)
 
     def has_fork(self, request_id: str) -> bool:
-        return request_id in self._forks
-
-    # ---- admission ------------------------------------------------------------------------------
-    def on_step(self, nonempty: bool) -> None:
-        self._step += 1
-        if nonempty:
-            self.reservation.on_step()
-
-    def prepare(self, request: Request) -> bool:
-        """Make sure plan() sees an answer from the store about this request's blocks.
-
-        A lookup runs on the store executor, waited for at most `probe_wait` seconds here: False while
-        it is out. An answer older than one step is asked again (blocks reach the store all the time). A
-        lookup that failed or ran past `store_timeout` answers "no hits", once, is not asked again
-        until the next step but one, and the lookup after it is not waited for.
-        """
-        if self.store_io is None or not self.config.enable_prefix_caching:
-            return True
-        if self.store_io.needs_lookup(request.request_id, self._step):
-            limit = self._max_hit_blocks(request)
-            local = len(self._match(self.device, request, 0, limit))
-            local += len(self._match(self.host, request, local, limit))
-            if local >= limit:
-                return True                               # nothing left for the store to supply
-            self.store_io.look_up(request.request_id, request.block_hashes[:limit], self._step)
-        return self.store_io.answered(request.request_id, self._step)
-
-    def plan(self, request: Request, max_new_tokens: int, whole: bool = False) -> AdmissionPlan | None:
-        """Plan admitting `request` with a chunk of at most `max_new_tokens`; None if it does not fit.
-
-        With `whole`, the chunk must reach the end of the request (no chunked prefill). Pure.
-        """
-        assert request.request_id not in self._tables, f"{request.request_id} already holds blocks"
-        size = self.block_size
-        hits, host, store = self._hits(request)
-        num_hits = len(hits) + len(host) + len(store)
-        if self._computing_block(request, num_hits):
-            return None                                   # another request is computing it: wait, then hit
-        num_hit_tokens = num_hits * size
-        num_new_tokens = min(request.num_tokens - num_hit_tokens, max_new_tokens)
-        if num_new_tokens <= 0 or (whole and num_hit_tokens + num_new_tokens < request.num_tokens):
-            return None
-        num_blocks = math.ceil((num_hit_tokens + num_new_tokens) / size)
-        own_future = self.reservation.blocks(request, num_hit_tokens + num_new_tokens, num_blocks * size, size)
-        forks = request.family.pending if request.family is not None else []
-        assert not any(f.request_id in self._forks for f in forks), "a family's samples are already placed"
-        partial_last_block = request.num_prompt_tokens % size != 0
-        plan = AdmissionPlan(
-            request=request, epoch=self.device.epoch, hit_blocks=hits,
-            num_touched_cached=sum(block.state is BlockState.CACHED for block in hits),
-            load_host=host, load_store=store,
-            num_new_blocks=num_blocks - len(hits) - len(host) - len(store),
-            num_new_tokens=num_new_tokens,
-            reserve=self.reserve_for_running() + own_future + sum(map(self._fork_reserve, forks)),
-            forks=forks, num_fork_blocks=len(forks) if partial_last_block else 0)
-        return plan if self.fits(plan) else None
-
-    def _hits(self, request: Request) -> tuple[list[Block], list[Block], list[BlockHash]]:
-        """The request's prefix hit, tier by tier: device blocks, then host blocks, then store hashes."""
-        limit = self._max_hit_blocks(request)
-        hits = self._match(self.device, request, 0, limit)
-        host = self._match(self.host, request, len(hits), limit)
-        return hits, host, self._store_hits(request, len(hits) + len(host), limit)
-
-    def _computing_block(self, request: Request, index: int) -> bool:
-        return index < self._max_hit_blocks(request) and request.block_hashes[index] in self._computing
+        return request_id in self.tables.forks
 
     def waits_for_computing(self, request: Request) -> bool:
-        """Whether the request's next uncached block is one another request is computing (pure).
+        """Whether the request's next uncached block is one another request is computing (pure)."""
+        return self.admission.waits_for_computing(request)
 
-        plan() refuses such a request; the scheduler lets others pass it meanwhile.
-        """
-        return self._computing_block(request, sum(map(len, self._hits(request))))
+    # ---- admission (admission.py) ---------------------------------------------------------------
+    def on_step(self, nonempty: bool) -> None:
+        self.admission.on_step(nonempty)
 
-    def _store_hits(self, request: Request, start: int, stop: int) -> list[BlockHash]:
-        if self.store_io is None:
-            return []
-        return self.store_io.hits(request.request_id, request.block_hashes, start, stop)
+    def prepare(self, request: Request) -> bool:
+        """Make sure plan() sees an answer from the store about this request's blocks."""
+        return self.admission.prepare(request)
+
+    def plan(self, request: Request, max_new_tokens: int, whole: bool = False) -> AdmissionPlan | None:
+        """Plan admitting `request` with a chunk of at most `max_new_tokens`; None if it does not fit. Pure."""
+        return self.admission.plan(request, max_new_tokens, whole)
 
     def fits(self, plan: AdmissionPlan) -> bool:
-        return plan.num_blocks_needed <= self.device.num_available
+        return self.admission.fits(plan)
 
     def commit(self, plan: AdmissionPlan) -> None:
-        """Take every block of the plan as one transaction: on any exception, undo all and re-raise.
+        """Take every block of the plan as one transaction: on any exception, undo all and re-raise."""
+        self.admission.commit(plan)
 
-        Then come the compensated steps, which never raise (a failure costs recomputation only):
-        offload what the allocation evicted, and copy host hits to device.
-        """
-        request = plan.request
-        if plan.epoch != self.device.epoch:
-            raise RuntimeError(f"stale plan for {request.request_id}: the pool changed since it was made")
-        if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            raise RuntimeError(f"plan for {request.request_id}: the request is {request.status.name}, not waiting")
-        if not self.fits(plan) or plan.num_new_tokens < 1:
-            raise RuntimeError(f"plan for {request.request_id} does not fit or computes nothing; "
-                               "plan() would have refused it")
-        undo: list[Callable[[], None]] = []
-        try:
-            self.device.touch(plan.hit_blocks)
-            undo.append(lambda: self.device.free(reversed(plan.hit_blocks)))
-            if plan.load_host:
-                self.host.touch(plan.load_host)       # pinned: the offload below must not evict them
-                undo.append(lambda: self.host.free(plan.load_host))
-            got = self.device.allocate(len(plan.load_host) + plan.num_new_blocks + plan.num_fork_blocks)
-            assert got is not None, "allocation failed after fits() said yes"
-            new_blocks, evicted = got
-            undo.append(lambda: (self.device.free(reversed(new_blocks)), self.device.unevict(evicted)))
-            flight = self.device.start_transfer(len(plan.load_store))
-            assert flight is not None, "load targets unavailable after fits() said yes"
-            targets, evicted_for_targets = flight
-            undo.append(lambda: ([self.device.end_transfer(block, BlockState.FREE) for block in targets],
-                                 self.device.unevict(evicted_for_targets)))
-            host_targets = new_blocks[:len(plan.load_host)]
-            table = plan.hit_blocks + host_targets + targets + new_blocks[len(plan.load_host):len(new_blocks)
-                                                                          - plan.num_fork_blocks]
-            fork_blocks = new_blocks[len(new_blocks) - plan.num_fork_blocks:]
-            for index, sample in enumerate(plan.forks):
-                self._forks[sample.request_id] = PendingFork(sample, fork_blocks[index] if fork_blocks else None)
-            first_admission = request.num_cached_tokens < 0
-            load = self._admit_loads(plan, targets, first_admission)
-            rb = RequestBlocks(request, table, len(plan.hit_blocks), load)
-            self._tables[request.request_id] = rb
-            if load is not None:
-                self._loading[request.request_id] = rb
-        except BaseException:
-            self._tables.pop(request.request_id, None)
-            self._loading.pop(request.request_id, None)
-            for sample in plan.forks:
-                self._forks.pop(sample.request_id, None)
-            for step in reversed(undo):
-                step()
-            raise
-        if self.store_io is not None:
-            self.store_io.forget_lookup(request.request_id)
-        self._offload_evicted(evicted + evicted_for_targets)
-        num_host_loaded = len(host_targets) if self._copy_host_hits(plan, host_targets) else 0
-        if num_host_loaded < len(host_targets) and rb.load is not None:
-            self._abandon_load(rb, "behind_failed_copy")  # its blocks follow blocks that are recomputed
-        self._set_registered(rb, rb.num_registered + num_host_loaded)
-        self._announce(rb)
-        request.num_computed_tokens = len(plan.hit_blocks) * self.block_size + num_host_loaded * self.block_size
-        if first_admission:
-            self.stats.prompt_tokens += request.num_prompt_tokens
-            request.num_cached_tokens = 0
-            self._count_hits(request, "device", len(plan.hit_blocks) * self.block_size)
-            self._count_hits(request, "host", num_host_loaded * self.block_size)
-
-    def _count_hits(self, request: Request, tier: str, num_tokens: int) -> None:
-        """Credit prompt tokens served by `tier` (at the request's first admission only)."""
-        num_tokens = min(num_tokens, request.num_prompt_tokens - request.num_cached_tokens)
-        request.num_cached_tokens += num_tokens
-        self.stats.count(self.stats.hit_tokens, tier, num_tokens)
-
-    def _admit_loads(self, plan: AdmissionPlan, targets: list[Block], first_admission: bool) -> LoadTransfer | None:
-        """Record the store load into `targets` and start it. Bookkeeping first: if this raises, the
-        caller rolls back and the executor's result is never looked at."""
-        if not targets:
-            return None
-        size, request = self.block_size, plan.request
-        first = len(plan.hit_blocks) + len(plan.load_host)
-        tokens = [tuple(request.token_ids[(first + i) * size:(first + i + 1) * size]) for i in range(len(targets))]
-        started = self.clock()
-        future = self.store_io.get(list(plan.load_store))
-        return LoadTransfer(request, targets, list(plan.load_store), tokens, future, started,
-                            started + self.config.store_timeout, first_admission)
-
-    def _copy_host_hits(self, plan: AdmissionPlan, targets: list[Block]) -> bool:
-        """Copy host hits into their device blocks and index them there; whatever happens, unpin the
-        host blocks. False if the copy failed: the targets stay ordinary blocks, to be recomputed."""
-        if not targets:
-            return True
-        pairs = [(src.block_id, dst.block_id) for src, dst in zip(plan.load_host, targets)]
-        copied = self._copy("host", "device", pairs)
-        self.host.free(plan.load_host)                  # unpinned, and now most recently used
-        if not copied:
-            return False
-        for src, dst in zip(plan.load_host, targets):
-            self.device.register(dst, src.block_hash, src.token_ids)
-        self.stats.count(self.stats.loaded_blocks, "host", len(targets))
-        return True
-
-    def _abandon_load(self, rb: RequestBlocks, reason: str) -> None:
-        """Give up on the request's store load now: its targets become ordinary blocks of the request.
-
-        The executor's answer, whenever it comes, is never looked at (records are written into
-        blocks only when a load settles, on this thread).
-        """
-        for target in rb.load.targets:
-            self.device.end_transfer(target, BlockState.USED)
-        rb.load = None
-        del self._loading[rb.request.request_id]
-        self.stats.count(self.stats.load_failures, reason)
-
-    def _copy(self, src_tier: str, dst_tier: str, pairs: list[tuple[int, int]]) -> bool:
-        """Copy blocks between tiers; False (the fault counted) if the copy raised."""
-        try:
-            self.mover.copy(src_tier, dst_tier, pairs)
-        except Exception as exc:
-            self._fault("copy", exc)
-            return False
-        return True
-
-    def _fault(self, operation: str, exc: Exception) -> None:
-        self.stats.count(self.stats.faults, operation)
-        logger.warning("%s failed; the blocks involved will be recomputed: %r", operation, exc)
-
-    # ---- growth and release ---------------------------------------------------------------------
+    # ---- growth and release (growth.py) ---------------------------------------------------------
     def grow(self, request: Request, num_new_tokens: int) -> bool:
         """Give a request holding blocks room for `num_new_tokens` more tokens. All or nothing."""
-        rb = self._tables[request.request_id]
-        needed = math.ceil((request.num_computed_tokens + num_new_tokens) / self.block_size) - len(rb.blocks)
-        if needed <= 0:
-            return True
-        got = self.device.allocate(needed)
-        if got is None:
-            return False
-        new_blocks, evicted = got
-        rb.extend(new_blocks)
-        self._announce(rb)
-        self._offload_evicted(evicted)
-        return True
-
-    def _announce(self, rb: RequestBlocks) -> None:
-        """Announce rb's full blocks of known tokens past those announced: it is computing them."""
-        stop = min(len(rb.blocks), len(rb.request.block_hashes)) if self.config.enable_prefix_caching else 0
-        for index in range(rb.num_announced, stop):
-            block_hash = rb.request.block_hashes[index]
-            self._computing[block_hash] = self._computing.get(block_hash, 0) + 1
-        rb.num_announced = max(rb.num_announced, stop)
-
-    def _set_registered(self, rb: RequestBlocks, num_registered: int) -> None:
-        """Blocks up to `num_registered` are indexed now (or never will be): withdraw their announcements."""
-        self._withdraw(rb, rb.num_registered, min(num_registered, rb.num_announced))
-        rb.num_registered = num_registered
-        rb.num_announced = max(rb.num_announced, num_registered)
-
-    def _withdraw(self, rb: RequestBlocks, start: int, stop: int) -> None:
-        for index in range(start, stop):
-            block_hash = rb.request.block_hashes[index]
-            left = self._computing[block_hash] - 1
-            if left:
-                self._computing[block_hash] = left
-            else:
-                del self._computing[block_hash]
+        return self.growth.grow(request, num_new_tokens)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks whose every token now has KV, so others can hit them."""
-        rb = self._tables[request.request_id]
-        num_full = request.num_computed_tokens // self.block_size
-        if not self.config.enable_prefix_caching:
-            self._set_registered(rb, num_full)
-            return
-        size = self.block_size
-        for index in range(rb.num_registered, num_full):
-            block = rb.blocks[index]
-            tokens = request.token_ids[index * size:(index + 1) * size]
-            if self.device.register(block, request.block_hashes[index], tokens):
-                if self.config.write_policy == "write_through":
-                    self._write_through(block)
-                self._remember_unpersisted(block)
-        self._set_registered(rb, max(rb.num_registered, num_full))
+        self.growth.cache_full_blocks(request)
+
+    def fork(self, leader: Request, sample: Request) -> None:
+        """Give `sample` the leader's prompt, in the place taken for it at admission."""
+        self.growth.fork(leader, sample)
 
     def release(self, request: Request) -> None:
         """Return every block the request holds, tail first; a pending load is left to settle on its own."""
-        if self.store_io is not None:
-            self.store_io.forget_lookup(request.request_id)
-        self._drop_forks(request)
-        rb = self._tables.pop(request.request_id, None)
-        if rb is None:
-            return
-        self._loading.pop(request.request_id, None)
-        self._withdraw(rb, rb.num_registered, rb.num_announced)
-        in_flight = set()
-        if rb.load is not None:
-            rb.load.request = None
-            self._orphans.append(rb.load)
-            self.stats.orphaned_loads += 1
-            in_flight = {id(block) for block in rb.load.targets}
-        self.device.free(block for block in reversed(rb.blocks) if id(block) not in in_flight)
+        self.growth.release(request)
 
-    def _drop_forks(self, request: Request) -> None:
-        """Give back the places of a sample waiting to fork, or of all its leader's samples: a
-        family admitted again after its leader's preemption takes them again."""
-        for sample_id in [sid for sid, pending in self._forks.items()
-                          if pending.request is request or pending.request.family.leader is request]:
-            block = self._forks.pop(sample_id).block
-            if block is not None:
-                self.device.free([block])
-
-    def fork(self, leader: Request, sample: Request) -> None:
-        """Give `sample` the leader's prompt: one more reference to each full prompt block, and a copy
-        of the partly filled last one in the block taken for it at admission. Never raises for space.
-
-        Call after the step that computed the leader's last prompt token. If the copy fails, the
-        sample's last block is an ordinary block and it recomputes those few tokens.
-        """
-        pending = self._forks.pop(sample.request_id)
-        source = self._tables[leader.request_id]
-        size, num_prompt = self.block_size, leader.num_prompt_tokens
-        num_full = num_prompt // size
-        assert leader.num_computed_tokens >= num_prompt and source.num_registered >= num_full, \
-            f"{leader.request_id} forks before its prompt is computed"
-        shared = source.blocks[:num_full]
-        self.device.touch(shared)
-        rb = RequestBlocks(sample, shared + ([pending.block] if pending.block is not None else []), num_full)
-        self._tables[sample.request_id] = rb
-        copied = pending.block is None or (self.mover is not None and self._copy(
-            "device", "device", [(source.blocks[num_full].block_id, pending.block.block_id)]))
-        sample.num_computed_tokens = num_prompt if copied else num_full * size
-        self._announce(rb)
-
-    # ---- moving blocks down ---------------------------------------------------------------------
-    def _offload_evicted(self, evicted: Sequence[EvictedBlock]) -> None:
-        """Write-back: copy device blocks evicted from the cache to host (or straight to the store)."""
-        self.stats.count(self.stats.evicted_blocks, "device", len(evicted))
-        if not evicted:
-            return
-        if self.host is None:
-            for item in evicted:
-                self._write_to_store("device", item.block_id, item.block_hash, item.token_ids)
-            return
-        todo = [item for item in evicted if not self.host.contains(item.block_hash)]
-        todo = todo[:self.host.num_available]
-        if not todo:
-            return
-        slots, host_evicted = self.host.allocate(len(todo))
-        self._store_host_evictions(host_evicted)
-        if not self._copy("device", "host", [(item.block_id, slot.block_id) for item, slot in zip(todo, slots)]):
-            self.host.free(slots)                       # unhashed: back to FREE; the evicted KV is not kept
-            return
-        for item, slot in zip(todo, slots):
-            self.host.register(slot, item.block_hash, item.token_ids)
-        self.host.free(slots)
-        self.stats.count(self.stats.offloaded_blocks, "host", len(slots))
-
-    def _write_through(self, block: Block) -> None:
-        """Copy a block that just became full to host (and on to the store) while it stays on device."""
-        if self.host is None:
-            self._write_to_store("device", block.block_id, block.block_hash, block.token_ids)
-            return
-        if self.host.contains(block.block_hash):
-            return
-        got = self.host.allocate(1) if self.host.num_available else None
-        if got is None:
-            return
-        (slot,), host_evicted = got
-        self._store_host_evictions(host_evicted)
-        if not self._copy("device", "host", [(block.block_id, slot.block_id)]):
-            self.host.free([slot])
-            return
-        self.host.register(slot, block.block_hash, block.token_ids)
-        self.host.free([slot])
-        self.stats.count(self.stats.offloaded_blocks, "host", 1)
-        self._write_to_store("host", slot.block_id, block.block_hash, block.token_ids)
-
-    def _store_host_evictions(self, evicted: Sequence[EvictedBlock]) -> None:
-        """Host blocks about to be overwritten: their record goes to the store first (write-back)."""
-        self.stats.count(self.stats.evicted_blocks, "host", len(evicted))
-        if self.config.write_policy == "write_back":
-            for item in evicted:
-                self._write_to_store("host", item.block_id, item.block_hash, item.token_ids)
-
-    def _write_to_store(self, tier: str, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Snapshot the block's record now (its buffer may be reused next) and write it off the step loop.
-
-        A block this engine wrote (or is writing) is not written twice; a write that fails or runs
-        past its deadline is forgotten, so a later eviction of the block writes it again.
-        """
-        if self.store_io is None or self.store_io.wrote(block_hash):
-            return
-        if not self.store_io.has_room():
-            self.stats.dropped_writes += 1
-            return
-        try:
-            record = self.mover.encode(tier, block_id, block_hash, token_ids)
-        except Exception as exc:
-            self._fault("encode", exc)
-            return
-        self.store_io.put(block_hash, record)
-
-    # ---- persistence ----------------------------------------------------------------------------
-    # Write-back sends a block to the store only when host evicts it, so a process that stops
-    # before that takes its cache with it. With `persist`, every block that becomes full is
-    # remembered, and persist() writes the ones still on device or host to the store; the engine
-    # calls it when it has nothing else to do and, with no limit, at close. A block that left both
-    # tiers meanwhile went to the store by eviction (or was lost with a dropped write).
-    def _remember_unpersisted(self, block: Block) -> None:
-        if self.store_io is None or not self.config.persist or self.store_io.wrote(block.block_hash):
-            return
-        self._unpersisted[block.block_hash] = block.token_ids
-        if len(self._unpersisted) > MAX_UNPERSISTED:
-            self._unpersisted.popitem(last=False)
-
+    # ---- moving blocks down, persistence (write_back.py) ----------------------------------------
     @property
     def num_unpersisted(self) -> int:
         """Full blocks not yet written to the store by persist() (some may have left by eviction)."""
-        return len(self._unpersisted)
+        return len(self.write_back.unpersisted)
 
     def persist(self, limit: int | None = None) -> int:
-        """Start store writes for up to `limit` remembered blocks, oldest first; how many started.
+        """Start store writes for up to `limit` remembered blocks, oldest first; how many started."""
+        return self.write_back.persist(limit)
 
-        Stops early while MAX_PENDING_WRITES writes are out, so nothing is dropped for lack of room:
-        the rest waits for the next call.
-        """
-        started = 0
-        while self._unpersisted and (limit is None or started < limit) and self.store_io.has_room():
-            block_hash, token_ids = self._unpersisted.popitem(last=False)
-            for tier, pool in (("device", self.device), ("host", self.host)):
-                block = pool.lookup(block_hash, token_ids) if pool is not None else None
-                if block is not None:
-                    self._write_to_store(tier, block.block_id, block_hash, token_ids)
-                    started += 1
-                    break
-        return started
-
-    # ---- settling loads -------------------------------------------------------------------------
+    # ---- settling loads (loads.py) --------------------------------------------------------------
     def poll_loads(self) -> list[Request]:
         """Settle every load that finished or timed out; return the requests ready to run."""
-        ready = []
-        for rb in list(self._loading.values()):
-            loaded = self._settle(rb.load)
-            if loaded is not None:
-                rb.load = None
-                self._set_registered(rb, rb.num_registered + loaded)
-                del self._loading[rb.request.request_id]
-                ready.append(rb.request)
-        self._orphans = [load for load in self._orphans if self._settle(load) is None]
-        if self.store_io is not None:
-            self.store_io.settle()
-        return ready
+        return self.loads.poll()
 
     def wait_for_transfers(self, timeout: float) -> None:
         """Block until some transfer may have settled (the engine calls this when it has nothing else)."""
-        pending = [rb.load.future for rb in self._loading.values()] + [t.future for t in self._orphans]
-        pending += self.store_io.pending() if self.store_io is not None else []
-        if pending:
-            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        self.loads.wait(timeout)
 
-    def _settle(self, load: LoadTransfer) -> int | None:
-        """Apply a finished load (or give up on a late one); None while it is still running.
-
-        Returns how many leading blocks loaded: those are indexed, the rest become ordinary blocks
-        whose tokens the request recomputes. An orphaned load's loaded blocks go to the cache.
-        """
-        reason = None                                     # one reason per failed load
-        if load.future.done():
-            try:
-                records = load.future.result()
-            except Exception as exc:
-                self.store_io.error(exc)
-                reason, records = "error", []
-        elif self.clock() >= load.deadline:
-            reason, records = "timeout", []
-        else:
-            return None
-        loaded = 0
-        for target, block_hash, tokens, record in zip(load.targets, load.hashes, load.token_ids, records):
-            if record is None:
-                reason = "missing"
-                break
-            try:
-                self.mover.decode_into("device", target.block_id, record, block_hash, tokens)
-            except Exception as exc:
-                reason = getattr(exc, "reason", None)
-                if reason is None:                        # not the record's fault: keep it
-                    self._fault("decode", exc)
-                    reason = "decode"
-                    break
-                logger.warning("dropping a bad store record (%s): %s", reason, exc)
-                self.store_io.delete(block_hash)
-                break
-            loaded += 1
-        if loaded < len(load.targets):
-            self.stats.count(self.stats.load_failures, reason or "missing")
-        for index, target in enumerate(load.targets):
-            ok = index < loaded
-            if load.orphaned:
-                self.device.end_transfer(target, BlockState.CACHED if ok else BlockState.FREE,
-                                         load.hashes[index], load.token_ids[index])
-            else:
-                self.device.end_transfer(target, BlockState.USED, load.hashes[index] if ok else None,
-                                         load.token_ids[index] if ok else None)
-        self.stats.count(self.stats.loaded_blocks, "store", loaded)
-        self.stats.load_seconds += self.clock() - load.started
-        if not load.orphaned:
-            load.request.num_computed_tokens += loaded * self.block_size
-            if load.first_admission:
-                self._count_hits(load.request, "store", loaded * self.block_size)
-        return loaded
-
-    # ---- audit ----------------------------------------------------------------------------------
+    # ---- audit (audit.py) -----------------------------------------------------------------------
     def counts(self) -> dict[str, PoolCounts]:
-        counts = {"device": self.device.counts()}
-        if self.host is not None:
-            counts["host"] = self.host.counts()
-        return counts
+        return pool_counts(self.device, self.host)
 
     def audit(self) -> dict[str, PoolCounts]:
         """Check every pool against the block tables and transfer records; raise AuditError naming blocks."""
-        holders: dict[int, int] = {}
-        in_flight: list[int] = []
-        announced: dict[BlockHash, int] = {}
-        for rb in self._tables.values():
-            assert not rb.request.is_finished, f"finished request {rb.request.request_id} still holds blocks"
-            assert rb.num_registered <= rb.num_announced <= len(rb.blocks), f"{rb.request.request_id} announcements"
-            for block_hash in rb.request.block_hashes[rb.num_registered:rb.num_announced]:
-                announced[block_hash] = announced.get(block_hash, 0) + 1
-            loading = {id(b) for b in rb.load.targets} if rb.load else set()
-            assert rb.load is None or rb.load.request is rb.request, "a load record lost its request"
-            for block in rb.blocks:
-                if id(block) in loading:
-                    in_flight.append(block.block_id)
-                else:
-                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        for sample_id, pending in self._forks.items():
-            leader = pending.request.family.leader
-            assert pending.request.status is RequestStatus.AWAITING_FORK and leader.request_id in self._tables, \
-                f"sample {sample_id} has a place but its leader {leader.request_id} holds no blocks"
-            if pending.block is not None:
-                holders[pending.block.block_id] = holders.get(pending.block.block_id, 0) + 1
-        for load in self._orphans:
-            assert load.orphaned, "an orphaned load still names a request"
-            in_flight.extend(block.block_id for block in load.targets)
-        assert len(in_flight) == len(set(in_flight)), "a block is the target of two loads"
-        assert {rid for rid, rb in self._tables.items() if rb.load} == set(self._loading), "loading index is stale"
-        assert announced == self._computing, "announced block hashes disagree with the block tables"
-        counts = {"device": self.device.audit(holders, in_flight)}
-        if self.host is not None:
-            counts["host"] = self.host.audit({})
-        return counts
+        return audit_tiers(self.tables, self.loads.orphans, self.device, self.host)
 
     def snapshot(self, with_order: bool = True) -> tuple:
-        return (self.device.snapshot(with_order), self.host.snapshot(with_order) if self.host else None,
-                tuple(sorted((rid, tuple(self.block_ids(rid))) for rid in self._tables)))
+        return snapshot_tiers(self.tables, self.device, self.host, with_order)

@@ -1,14 +1,19 @@
-"""A model stand-in for scheduler and cache tests.
+"""Fakes for scheduler and cache tests, and the scenarios several test files drive over them.
 
 `FakeRunner` stores each token id itself as its "KV", written by slot and read back
 through the block table, and checks that every position a chunk attends to holds the
 request's real token. A block served from cache with the wrong content, or overwritten
 while still in use, fails the step. The next token is a hash of the whole context, so
 any difference in what the model "saw" changes the output.
+
+`FakeMover`, `FakeStore`, `ManualExecutor` and `FakeClock` stand in for the lower tiers: a store
+call answers only when a test says so, and may fail, hang or answer with the wrong record. `drive`
+steps a scheduler until nothing is left; the scenarios build the states the tier tests start from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -16,7 +21,7 @@ import xxhash
 
 from kvstrata.core.config import CacheConfig, SchedulerConfig
 from kvstrata.core.hashing import BlockHasher
-from kvstrata.core.request import Request, SampleFamily
+from kvstrata.core.request import Request, RequestStatus, SampleFamily
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.block_pool import BlockState
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
@@ -103,17 +108,45 @@ def step(scheduler: Scheduler, runner: FakeRunner) -> SchedulerOutput:
     return output
 
 
-def run_all(scheduler: Scheduler, runner: FakeRunner, requests: list[Request],
-            max_steps: int = 10_000) -> dict[str, list[int]]:
-    """Add the requests, step until all finish, and return each one's output tokens."""
+def drive(scheduler: Scheduler, runner: FakeRunner, executor: ManualExecutor | None = None,
+          requests: Sequence[Request] = (), clock: FakeClock | None = None) -> dict[str, list[int]]:
+    """Add the requests and step until nothing is left: no request, no load, no store write.
+
+    After each step every queued store call answers and, with a clock, time passes for calls that
+    hang. Returns each request's output tokens. A live scheduler computes at least one token a
+    step, so the default bound is four steps per token still to compute (room for preemptions'
+    recomputation): a fixed 2,000 failed a long run that had queued ~200 requests behind a budget
+    of 2 tokens.
+    """
     for request in requests:
         scheduler.add_request(request)
+    max_steps = 100 + 4 * sum(r.num_prompt_tokens + r.sampling.max_tokens for r in scheduler.requests.values())
     for _ in range(max_steps):
-        if not scheduler.has_unfinished:
+        if not scheduler.has_work:
             break
         step(scheduler, runner)
-    assert not scheduler.has_unfinished, "requests did not finish: the scheduler is stuck"
+        if executor is not None:
+            executor.run_all()
+        if clock is not None:
+            clock.now += 0.25
+    assert not scheduler.has_work, "the scheduler stopped making progress"
     return {request.request_id: request.output_token_ids for request in requests}
+
+
+def drain(scheduler: Scheduler, runner: FakeRunner, executor: ManualExecutor | None = None,
+          clock: FakeClock | None = None) -> None:
+    """Drive what is left to the end; then nothing may be held."""
+    drive(scheduler, runner, executor, clock=clock)
+    at_rest(scheduler)
+
+
+def at_rest(scheduler: Scheduler) -> None:
+    """Nothing held anywhere: the audit passes and every block of every tier is FREE or CACHED."""
+    tiers = scheduler.tiers
+    tiers.audit()
+    for pool in filter(None, (tiers.device, tiers.host)):
+        assert all(b.state in (BlockState.FREE, BlockState.CACHED) and b.ref_cnt == 0 for b in pool.blocks), \
+            f"{pool.tier}: {pool.counts()}"
 
 
 # ---- lower tiers ----------------------------------------------------------------------------------
@@ -259,32 +292,38 @@ def make_tiered_scheduler(num_blocks=16, num_host_blocks=8, block_size=4, store=
 
 def unchecked_plan(tiers: TierManager, request, max_new_tokens: int = 4096):
     """A plan as plan() computes it, before its fits() verdict (for building refused scenarios)."""
-    original = tiers.fits
-    tiers.fits = lambda plan: True
-    try:
-        return tiers.plan(request, max_new_tokens)
-    finally:
-        tiers.fits = original
+    return tiers.admission.draft(request, max_new_tokens)
 
 
-def drain(scheduler: Scheduler, runner: FakeRunner, executor: ManualExecutor | None = None,
-          max_steps: int | None = None, clock: FakeClock | None = None) -> None:
-    """Step (letting every store call answer, and time pass for calls that hang) until nothing is
-    left; then nothing may be held. A live scheduler computes at least one token a step, so the
-    default bound is four steps per token still to compute (room for preemptions' recomputation):
-    a fixed 2,000 failed a long run that had queued ~200 requests behind a budget of 2 tokens."""
-    if max_steps is None:
-        max_steps = 100 + 4 * sum(r.num_prompt_tokens + r.sampling.max_tokens for r in scheduler.requests.values())
-    for _ in range(max_steps):
-        if not scheduler.has_work:
-            break
-        step(scheduler, runner)
-        if executor is not None:
-            executor.run_all()
-        if clock is not None:
-            clock.now += 0.25
-    assert not scheduler.has_work, "the scheduler stopped making progress"
-    tiers = scheduler.tiers
-    tiers.audit()
-    for pool in filter(None, (tiers.device, tiers.host)):
-        assert all(b.state in (BlockState.FREE, BlockState.CACHED) and b.ref_cnt == 0 for b in pool.blocks)
+# ---- scenarios ------------------------------------------------------------------------------------
+PREFIX = list(range(1, 17))                        # 4 full blocks of 4 tokens
+
+
+def evict_everything(scheduler, runner, executor, tag):
+    """Push all cached device blocks out with unrelated prompts."""
+    fillers = [make_request(f"{tag}{i}", [40 + i] * 15, max_tokens=1) for i in range(4)]
+    drive(scheduler, runner, executor, fillers)
+
+
+def loading_again():
+    """PREFIX served, evicted to the store, then asked for again: the new request is LOADING.
+
+    Returns (scheduler, runner, executor, clock, store, request).
+    """
+    scheduler, runner, executor, clock, store = make_tiered_scheduler(num_blocks=8, num_host_blocks=0)
+    drive(scheduler, runner, executor, [make_request("a", PREFIX + [99], max_tokens=2)])
+    evict_everything(scheduler, runner, executor, "fill")
+    assert store.records
+    again = make_request("b", PREFIX + [98], max_tokens=5)
+    scheduler.add_request(again)
+    executor.run_all()                                    # the lookup finds the records
+    step(scheduler, runner)
+    assert again.status is RequestStatus.LOADING
+    return scheduler, runner, executor, clock, store, again
+
+
+def reference_outputs(prompts):
+    """Each prompt's outputs (5 tokens) with every cache feature off."""
+    scheduler = make_scheduler(num_blocks=64, prefix_caching=False)
+    return drive(scheduler, FakeRunner(64, 4), requests=[make_request(f"ref{i}", p, max_tokens=5)
+                                                         for i, p in enumerate(prompts)])

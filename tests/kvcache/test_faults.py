@@ -9,30 +9,20 @@ from kvstrata.core.request import RequestStatus
 from kvstrata.kvcache.block_pool import BlockState
 from kvstrata.kvcache.faults import FaultInjector, InjectedFault
 from tests.kvcache.fakes import (
-    FakeClock,
-    make_request,
-    make_tiered_scheduler,
-    step,
-    unchecked_plan,
-)
-from tests.kvcache.tier_scenarios import (
     PREFIX,
+    FakeClock,
+    at_rest,
     drive,
     evict_everything,
     loading_again,
+    make_request,
+    make_tiered_scheduler,
     reference_outputs,
+    step,
+    unchecked_plan,
 )
 
 EXPECTED = list(reference_outputs([PREFIX + [98]]).values())[0]
-
-
-def at_rest(scheduler) -> None:
-    """Nothing held anywhere: every block of every tier FREE or CACHED."""
-    tiers = scheduler.tiers
-    tiers.audit()
-    for pool in filter(None, (tiers.device, tiers.host)):
-        counts = pool.counts()
-        assert counts.used == 0 and counts.in_flight == 0, f"{pool.tier}: {counts}"
 
 
 def served_then_evicted(faults, num_host_blocks=16, store=False, write_policy="write_back"):
@@ -245,7 +235,7 @@ def test_an_exception_inside_commit_leaves_scheduler_and_tiers_in_step(monkeypat
 
     def boom(*args):
         raise InjectedFault("executor", 1)
-    monkeypatch.setattr(tiers, "_admit_loads", boom)
+    monkeypatch.setattr(tiers.loads, "start", boom)
     with pytest.raises(InjectedFault):
         scheduler.schedule()
     assert scheduler.in_step == [request] and request.status is RequestStatus.WAITING

@@ -94,7 +94,7 @@ def test_exception_during_commit_rolls_back_everything(monkeypatch):
 
     def boom(*args):
         raise OSError("injected fault after the blocks were allocated")
-    monkeypatch.setattr(tm, "_admit_loads", boom)
+    monkeypatch.setattr(tm.loads, "start", boom)
     request = make_request("b", list(range(8)) + [70, 71, 72, 73, 74, 75, 76])
     plan = tm.plan(request, 100)
     assert plan.num_new_blocks == 2 and len(plan.hit_blocks) == 2 and plan.num_touched_cached == 2
@@ -112,7 +112,7 @@ def test_rollback_restores_evicted_blocks(monkeypatch):
     compute(tm, first, 12)
     tm.release(first)                                  # all 3 cached, none free
     before = tm.snapshot(with_order=False)
-    monkeypatch.setattr(tm, "_admit_loads", lambda *args: 1 / 0)
+    monkeypatch.setattr(tm.loads, "start", lambda *args: 1 / 0)
     plan = tm.plan(make_request("b", list(range(200, 209))), 100)   # needs 3 blocks: evicts all
     with pytest.raises(ZeroDivisionError):
         tm.commit(plan)
@@ -168,7 +168,6 @@ def test_reservation_counts_pending_prompt_and_scaled_decode():
 
 
 def test_hash_chain_matches_across_requests():
-    tm = manager()
     a = make_request("a", [5, 6, 7, 8, 9])
     assert a.block_hashes == [hash_block(a.hasher.root, [5, 6, 7, 8])]
     b = make_request("b", [5, 6, 7, 8, 1])

@@ -11,17 +11,15 @@ import pytest
 from kvstrata.core.request import RequestStatus
 from kvstrata.kvcache.block_pool import BlockState
 from tests.kvcache.fakes import (
-    make_request,
-    make_tiered_scheduler,
-    step,
-    unchecked_plan,
-)
-from tests.kvcache.tier_scenarios import (
     PREFIX,
     drive,
     evict_everything,
     loading_again,
+    make_request,
+    make_tiered_scheduler,
     reference_outputs,
+    step,
+    unchecked_plan,
 )
 
 
@@ -173,7 +171,7 @@ def test_exception_after_load_targets_are_allocated_rolls_back_whole(monkeypatch
 
     def boom(*args):
         raise OSError("injected after the load targets were allocated")
-    monkeypatch.setattr(scheduler.tiers, "_admit_loads", boom)
+    monkeypatch.setattr(scheduler.tiers.loads, "start", boom)
     with pytest.raises(OSError, match="injected"):
         scheduler.tiers.commit(plan)
     assert scheduler.tiers.snapshot(with_order=False) == before

@@ -10,20 +10,18 @@ from kvstrata.core.request import RequestStatus
 from kvstrata.kvcache.block_pool import BlockState
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from tests.kvcache.fakes import (
+    PREFIX,
     FakeMover,
     FakeRunner,
     drain,
+    drive,
+    evict_everything,
     make_family,
     make_request,
     make_scheduler,
     make_tiered_scheduler,
-    step,
-)
-from tests.kvcache.tier_scenarios import (
-    PREFIX,
-    drive,
-    evict_everything,
     reference_outputs,
+    step,
 )
 
 PROMPT = list(range(1, 11))        # 10 tokens: two full blocks of 4, and 2 tokens in the third

@@ -9,9 +9,9 @@ from kvstrata.kvcache.block_pool import BlockState
 from tests.kvcache.fakes import (
     EOS,
     FakeRunner,
+    drive,
     make_request,
     make_scheduler,
-    run_all,
     step,
 )
 
@@ -76,7 +76,7 @@ def test_preemption_takes_the_latest_arrival_and_it_resumes_first_with_a_cache_h
     while not b.status is RequestStatus.RUNNING:
         step(s, r)
     assert b.num_computed_tokens > 0 or b.is_finished
-    run_all(s, r, [])
+    drive(s, r)
 
 
 def test_priority_policy_preempts_the_lowest_priority():
@@ -107,7 +107,7 @@ def test_priority_policy_admits_by_priority_then_arrival():
 def test_lpm_admits_the_longest_cached_prefix_first():
     s = make_scheduler(max_num_seqs=1, policy="lpm")
     r = runner_for(s)
-    run_all(s, r, [make_request("warm", list(range(12)), max_tokens=1)])
+    drive(s, r, requests=[make_request("warm", list(range(12)), max_tokens=1)])
     s.add_request(make_request("cold", list(range(100, 112)), arrival=1.0))
     s.add_request(make_request("hot", list(range(12)) + [5], arrival=2.0))
     out = step(s, r)
@@ -125,7 +125,7 @@ def test_abort_in_any_state_releases_everything(state):
     if state == "preempted":
         assert s.preempt("x")
     if state == "finished":
-        run_all(s, r, [])
+        drive(s, r)
     s.finish("x")
     s.audit()
     assert not s.has_unfinished and s.tiers.device.counts().used == 0
@@ -148,7 +148,7 @@ def test_a_request_bigger_than_the_device_cache_is_rejected_not_queued():
     with pytest.raises(ValueError, match="device cache holds only 4"):
         s.add_request(make_request("x", [1] * 17, max_tokens=4))
     s.add_request(make_request("ok", [1] * 12, max_tokens=4))     # 15 tokens of KV: 4 blocks fit
-    run_all(s, runner_for(s), [])
+    drive(s, runner_for(s))
 
 
 def test_stop_on_eos_stop_token_and_min_tokens():
@@ -188,14 +188,14 @@ def test_outputs_are_identical_with_prefix_caching_on_and_off(num_blocks, budget
     for caching in (True, False):
         s = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=budget, max_model_len=40,
                            prefix_caching=caching)
-        results.append(run_all(s, runner_for(s), shared_prefix_requests(30)))
+        results.append(drive(s, runner_for(s), requests=shared_prefix_requests(30)))
     assert results[0] == results[1]
 
 
 def test_prefix_caching_hits_and_free_count_returns_to_start():
     s = make_scheduler(num_blocks=64, max_num_batched_tokens=32, max_model_len=40)
     requests = shared_prefix_requests(30)
-    run_all(s, runner_for(s), requests)
+    drive(s, runner_for(s), requests=requests)
     assert sum(r.num_cached_tokens for r in requests) > 0
     counts = s.tiers.audit()["device"]
     assert counts.used == 0 and counts.in_flight == 0 and counts.free + counts.cached == 64
