@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-slow serve fleet bench clean
+.PHONY: install test test-slow serve fleet bench docs clean
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ fleet: $(STAMP)
 # About 40 minutes on 2 cores (plus ~15 for first installs); ARGS=--quick checks the pipeline in a few.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)
+
+# The generated parts of docs/serving-api.md and docs/configuration.md, from the request models and every
+# command's flags (kvstrata/entrypoints/cli/reference.py); tests/entrypoints/test_docs.py fails when they drift.
+docs: $(STAMP)
+	$(BIN)/python -m kvstrata.entrypoints.cli.reference
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
