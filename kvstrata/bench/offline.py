@@ -1,12 +1,11 @@
 """Offline throughput: prompts through `LLMEngine`, timed from submission to the last token.
 
 Cases (`cases.py`) come from a prompts file, so peers in other venvs run the very same token ids
-(`bench/peers/offline_*.py`), or are drawn here. Each repeat waits for a quiet machine first
+(`benchmarks/peers/offline_*.py`), or are drawn here. Each repeat waits for a quiet machine first
 (`quiet.py`); the model load and a short warm-up are not timed. The warm-up also maps every page
 of the KV cache: vLLM zero-fills its cache when it allocates it, and our server maps the pages
 while idle (`LLMEngine.map_kv_pages`), so neither pays the first write to a fresh page inside a
-timed run (~2.6 ms per MiB in this project's VM; a batch-32 case of 128 + 128 tokens writes
-~190 MB of KV, ~0.5 s of faults: its sys time fell from 0.12-0.62 s to 0.02-0.15 s per run).
+timed run (a batch-32 case of 128 + 128 tokens would pay ~0.5 s of faults; BENCHMARKS.md).
 """
 
 from __future__ import annotations

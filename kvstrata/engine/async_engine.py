@@ -27,7 +27,7 @@ from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot
 logger = logging.getLogger(__name__)
 
 PERSIST_BATCH = 16      # blocks an idle engine sends to the store between looks at its command queue
-MAP_CHUNK_BYTES = 16 * 2**20   # KV pages an idle engine maps between looks (~35 ms here)
+MAP_CHUNK_BYTES = 16 * 2**20   # KV pages an idle engine maps between looks (tens of ms of page faults)
 
 
 class AsyncLLMEngine:
@@ -42,7 +42,7 @@ class AsyncLLMEngine:
     CPUs, libgomp stops spin-waiting between regions: every parallel op then pays a futex wake-up.
     Loading runs parallel regions; loaded on the main thread and stepped here, the served
     shared-prefix workload's TPOT p50 was 26.6 ms, loaded here 19.8 ms (bf16, 2 threads, 2 cores).
-    The price of spinning: the engine wants its cores to itself (see the README).
+    The price of spinning: the engine wants its cores to itself (docs/design/model.md, "Threads").
 
     `kv_events`: publish the caches' index changes for routers (`kv_events`, a KVEventLog).
     """

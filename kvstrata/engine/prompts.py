@@ -21,7 +21,7 @@ class ChatPrompt:
     """Messages to render with the model's chat template (in the engine thread, with the tokenizer)."""
 
     messages: tuple[dict[str, Any], ...]
-    tools: tuple[dict[str, Any], ...] = ()     # OpenAI function tools, rendered for the model (tool_calls.py)
+    tools: tuple[dict[str, Any], ...] = ()     # OpenAI function tools, rendered for the model (kvstrata.structured)
 
 
 Prompt = str | Sequence[int] | ChatPrompt

@@ -2,8 +2,9 @@
 
 The engine thread owns the scheduler, the tiers, the pools and the tokenizer. Once per step (and
 after taking commands) it builds an `EngineSnapshot`, a new immutable record, and swaps the
-reference; the HTTP server's `/metrics`, its admission limit and the router's load figures read
-that reference and nothing else. `EngineInfo` holds what never changes once the engine is built.
+reference; the HTTP server's `/metrics` and the router's load figures read that reference and
+nothing else (the server's admission limit counts its own calls in flight,
+`AsyncLLMEngine.num_unfinished`). `EngineInfo` holds what never changes once the engine is built.
 A reader may see a snapshot one step old, never a half-changed one.
 """
 

@@ -105,10 +105,10 @@ class PagedKVCache:
     def map_pages(self, max_bytes: int) -> bool:
         """Map up to `max_bytes` more of the buffer's lazily zeroed pages, contents untouched; False
         once all are mapped (or the OS cannot). Why: the first write to a fresh page costs a page
-        fault (with transparent huge pages, ~2 MiB mapped per block written), ~2-2.6 ms per MiB on
-        this project's machines: seconds spread over the first requests a server answers. An idle
-        engine maps them ahead (see LLMEngine.map_kv_pages); safe while steps write the cache,
-        since MADV_POPULATE_WRITE only faults pages in."""
+        fault (with transparent huge pages, ~2 MiB mapped per block written): seconds spread over the
+        first requests a server answers (docs/design/tiers-and-stores.md). An idle engine maps them
+        ahead (see LLMEngine.map_kv_pages); safe while steps write the cache, since
+        MADV_POPULATE_WRITE only faults pages in."""
         if self._unmapped <= 0:
             return False
         done = self.nbytes - self._unmapped

@@ -1,7 +1,7 @@
 """`TierBuffers`: the physical KV of the device and host tiers, and blocks <-> store records.
 
 The `BlockMover` the tier manager drives in the engine. Copies between tiers are one indexed copy
-per batch of blocks over all layers; records are built and checked by `records.py`.
+per batch of blocks over all layers; records are built and checked by `kvstrata.kvcache.stores.records`.
 """
 
 from __future__ import annotations

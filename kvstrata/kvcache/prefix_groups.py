@@ -28,24 +28,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # What one group costs, in tokens of KV its members no longer read, when decode attention gathers
-# blocks (no paged kernel: CUDA, or no compiler). `benchmarks/decode_group_cost.py` (SmolLM2's shapes,
-# one layer, 1 thread, CPU time, 2-core AVX2 EPYC): a group's own pass by hand and its prefix pass
-# cost ~40 us per layer more than one SDPA, and with K/V hot in cache a group pays from ~700 saved
-# tokens (4 decodes x 16 shared blocks: -3 us; 16 x 8: -60 us). In a whole model step the saved
-# reads come from memory and pay more: 16 decodes sharing 1,024 tokens save ~0.19 us per token
-# and layer (benchmarks/model_step.py), a break-even near 200 tokens. 512 sits between the two; at worst
-# a misjudged group costs ~1 ms in a step of 40 ms or more.
+# blocks (no paged kernel: CUDA, or no compiler): between the break-even of one layer with K/V hot in
+# cache (~700 tokens, `benchmarks/decode_group_cost.py`) and that of a whole model step reading from
+# memory (~200, `benchmarks/model_step.py`); a misjudged group costs little either way. The
+# measurements: docs/design/model.md, "Decode groups".
 GROUP_COST_TOKENS = 512
 
 # The same when the paged kernel reads every decode's blocks in place. Then a group saves no
 # gather, only the kernel's passes over the prefix, which the other members find in the CPU's
-# caches after the first; and it adds a gather of the prefix, `attend` and a merge. Whole bf16
-# model steps, the same block tables with and without groups (benchmarks/model_step.py --shared-prefix
-# with --group-cost-tokens 0 and 10**9; 2 threads, 2-core AVX-512 EPYC), us per layer that the
-# group adds: 4 decodes x 256 shared tokens +268, 4 x 512 +206, 8 x 512 +196, 16 x 512 +214,
-# 4 x 2,048 +104, then 8 x 2,048 -27, 16 x 1,024 -72, 32 x 512 +17, 16 x 2,048 -229, 32 x 1,024
-# -248 (saving 768 ... 31,744 tokens): groups pay from ~14,000 saved tokens. In fp32 no group
-# measured paid reliably (+82 to +407 us; -186 and -71 twice), so the bf16 break-even is the bar.
+# caches after the first; and it adds a gather of the prefix, `attend` and a merge. In whole bf16
+# model steps with and without groups (`benchmarks/model_step.py --shared-prefix`), groups paid
+# from ~14,000 saved tokens (16 decodes sharing 1,024 tokens qualify, 4 sharing 512 do not); in
+# fp32 none paid reliably, so the bf16 break-even is the bar. The measurements: docs/design/model.md.
 IN_PLACE_GROUP_COST_TOKENS = 12_288
 
 

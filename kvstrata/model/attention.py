@@ -14,11 +14,14 @@ is planned once per forward (`PagedAttention.plan`) and replayed by every layer:
               chunk that starts a sequence uses its own K/V directly (no gather); a later chunk
               gathers the sequence's blocks and masks them.
 
+Why the kernel: decode attention costs what it reads, and gathering copied every block before
+attending it (a bf16 decode step of 32 x 600 tokens, 2 threads: 76.9-85.1 ms gathering, 54.8-56.5
+ms in place). Where it cannot run, attention gathers, and nothing else changes.
+
 Cascade (shared-prefix) attention. Decodes whose block tables start with the same blocks come
 as a `DecodeGroup` (the runner finds them, kvstrata.kvcache.prefix_groups). A group's shared blocks
-are copied once and attended once by all of its queries together (one matmul of the group's
-k * G query rows per kv head); each decode then attends to its own blocks after the prefix, and
-the two partial results merge exactly by their log-sum-exp (LSE):
+are read once by all of its queries together; each decode then attends to its own blocks after the
+prefix, and the two partial results merge exactly by their log-sum-exp (LSE):
 
     keys of d0:   [ shared prefix P blocks | own blocks ]      same P blocks for d0, d1, d2
     o = o_own + sigmoid(lse_pre - lse_own) * (o_pre - o_own)   (softmax over the union of keys)
@@ -27,54 +30,26 @@ the two partial results merge exactly by their log-sum-exp (LSE):
                        prefix rows of one group      its shared blocks, once for the group
                        own    rows [grouped, nd)     whole contexts, batched
 
-With the kernel, each decode's own part (from its group's prefix on, or its whole context) comes
-from the kernel with its LSE, and only the groups' prefixes are gathered and attended by `attend`
-(oneDNN's bf16 matmuls; the kernel's many-rows path instead, all of a group's rows against the
-prefix's tiles, measured slower in bf16 (16 decodes over 1,024 shared tokens: shared / distinct
-1.14-1.28 against 0.98-1.06) and no faster in fp32 (0.76 both)). Without it, grouped rows need
-the LSE, which SDPA does not return, so their softmax is written out (`attend`: two matmuls, max,
-exp, sum; float32 scores). Ungrouped rows keep one SDPA call, as before cascade attention: at
-batch 1 every extra op per layer costs time, and their results stay bit for bit what they were.
-Each batched segment pads its sequences to its longest and masks the rest, so grouped decodes
-(short own parts) are never padded to the length of an ungrouped one.
+With the kernel, each decode's own part comes from the kernel with its LSE, and only the groups'
+prefixes are gathered and attended by `attend`. Without it, grouped rows need the LSE, which SDPA
+does not return, so their softmax is written out (`attend`); ungrouped rows keep one SDPA call, and
+their results stay bit for bit what they were. Each batched segment pads its sequences to its
+longest, so grouped decodes (short own parts) are never padded to an ungrouped one's length. Where
+it loses: a group costs an extra pass and a merge per layer, so small groups do not pay, and the
+runner forms one only above `group_cost_tokens` saved (far more with the kernel reading in place).
 
-Measured (benchmarks/model_step.py's shapes, SmolLM2 fp32, 1 thread, process CPU time on the shared
-2-core AVX2 EPYC; before -> after): 16 decodes at 1,040 tokens sharing 1,024 of them, a step 170-194
--> 111-118 ms, its gather 33-34 -> 6-7 ms, the rest of attention 54-63 -> 20-22 ms (now the FLOPs of
-the 16 x 9 query rows over 1,040 keys, which no grouping removes); 32 decodes at 600 sharing 512,
-300 -> 185 ms. Where it loses: a group costs ~40 us per layer more than SDPA, so a small one does
-not pay (see kvstrata.kvcache.prefix_groups.GROUP_COST_TOKENS). With the kernel reading every decode's
-blocks in place, a group saves only the kernel's passes over a prefix the other members find in
-cache, and costs ~100-270 us per layer in bf16, so groups are formed from ~12,000 saved tokens on
-(IN_PLACE_GROUP_COST_TOKENS; 16 decodes sharing 1,024 tokens qualify, 4 sharing 512 do not). Decodes
-with distinct contexts copied each of their blocks once per layer and step (25% of a batch-32 step
-at 600 tokens, SDPA another 28%) until the paged kernel: on 16 x 600 bf16 keys per layer (1 thread,
-a 30,000-block cache) 0.61-0.67 ms against 1.24 ms for gather + SDPA, and a bf16 model step at batch
-32 x 600 92-102 ms against 150-176 ms. Prefill chunks took torch's CPU flash SDPA (bf16 at 56-100
-GFLOP/s here; a chunk after cached tokens also gathered its blocks and built a mask) until the
-kernel's many-rows path: per layer in bf16 (SmolLM2's heads, 2 threads, benchmarks/paged_kernel.py
---chunks) a 512-token prompt 0.51x SDPA's time, 1,024 tokens 0.64x, 128 tokens after 512 cached
-0.65-0.71x, 64 after 1,024 0.79x; a bf16 prefill step of 512 tokens 216-217 ms against 292-303 ms,
-of 1,024 tokens 570-595 against 687-695 (benchmarks/model_step.py --prefills, interleaved runs).
-
-Exact attention for int8 models (`compute_dtype=torch.float64`). Each kernel above sums in an
-order that depends on the call's shapes (SDPA's tiles follow the key count and the query count; a
-chunk after a cache hit sees a different call than a one-piece prefill; grouped decodes take
-`attend`), so the same query row gets float32 results that differ in the last bits from path to
-path. A float32 model shrugs that off, but int8 activations round it into whole quantization
-steps: greedy outputs with caching on and off then part ways (8 of 25 prompts in
-tests/test_int8.py). Summing in float64 and rounding the result to float32 makes every path give
-the same float32 value unless the exact one lies within ~1e-16 of a rounding boundary. Cost: the
-gathered K/V is copied once more per layer (into a kept float64 buffer), and the matmuls run at
-half the float32 rate. With the paged kernel, exact sums skip all that: every row, prefill rows
-too, attends its whole context in the kernel, which sums in float32 but in an order fixed by the
-row alone (never by the batch, the chunk or a group; its decode and many-rows paths sum in the
-same order), so a row gets the same bits on every path; that is why exact sums ignore decode
-groups there. Prefill chunks get those bits without exact sums too.
+Exact attention (`compute_dtype=torch.float64`: int8 models, 16-bit ones under --batch-invariant).
+Each path sums in an order set by the call's shapes, so a row's last bits depend on its batch,
+chunk and cache path, which int8 rounding (or a bf16 near-tie) turns into another greedy token.
+With the paged kernel every row, prefill rows too, attends its whole context in the kernel, whose
+order of sums is the row's own (its decode and many-rows paths sum alike), so exact sums ignore
+decode groups there; without it, attention sums in float64 and rounds to float32.
 
 GQA without copying K/V: a decode's query heads are grouped as (.., KVH, G, D) so each kv head
 is attended by G query rows. Prefill inputs to SDPA are 4-D: PyTorch's CPU SDPA takes its fused
 (flash) kernel only for 4-D tensors and falls back to unfused math for 3-D ones.
+
+The measurements behind each of these choices: docs/design/model.md.
 """
 
 from __future__ import annotations
@@ -398,7 +373,7 @@ class PagedAttention:
         torch.index_select(kv_layer.view(two * kvh * num_blocks, bs * d), 0, rows, out=buf)
         if self.compute_dtype is None or self.compute_dtype == buf.dtype:
             return buf
-        # Into a kept buffer: a fresh float64 tensor per layer (`.to()`) cost 8x the copy in page faults.
+        # Into a kept buffer: a fresh float64 tensor per layer (`.to()`) pays its page faults every time.
         return self._buffer(1, need, self.compute_dtype, kv_layer.device).view_as(buf).copy_(buf)
 
     def _buffer(self, index: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """`--compile`: torch.compile the decoder's work before and after attention.
 
-Why. A decode step of a few sequences is mostly the dispatch of small torch ops: ~65 per layer
-(norms, RoPE, residual adds, SiLU * up, and for int8 the per-token quantization and rescaling around
-each matmul), each a parallel region the two threads must meet at. Inductor fuses the element-wise
-work into a few C++ loops; the matmuls stay library calls (oneDNN, or `_int_mm` for int8).
+Why. A decode step of a few sequences is mostly the dispatch of small torch ops (norms, RoPE,
+residual adds, SiLU * up, and for int8 the per-token quantization and rescaling around each matmul),
+each a parallel region the threads must meet at. Inductor fuses the element-wise work into a few C++
+loops (a decode step: ~1,600-1,900 dispatched ops -> ~400); the matmuls stay library calls (oneDNN,
+or `_int_mm` for int8). Where it loses: float models, whose oneDNN-packed weights dynamo cannot
+trace, so they keep plain ones and run slower than uncompiled (docs/design/model.md).
 
 What is compiled: `DecoderLayer.attention_inputs` and `DecoderLayer.after_attention`, each once for
 all layers: the layer is an argument, so dynamo guards on its type and tensor shapes, not on which

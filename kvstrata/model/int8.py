@@ -4,22 +4,23 @@ CPU (`kvstrata.model.int8_choice` measures them at first load).
 
 The kernels, all with the same int8 rows:
 - `int_mm`: per-token symmetric int8 and `torch._int_mm` (oneDNN's s8 x s8 GEMM). Fast where the
-  CPU has VNNI; on an AVX2-only CPU it is slower than fp32 (batch 1 0.36x, batch 32 0.06x on a
-  Zen 3 EPYC) and its int16 pair sums saturate.
+  CPU has VNNI; on an AVX2-only CPU it is slower than fp32 (batch 32: 0.06x on a Zen 3 EPYC) and
+  its int16 pair sums saturate.
 - `fbgemm` / `onednn`: the library's dynamic quantized linear (`quantized::linear_dynamic`), which
   quantizes its input with ONE scale per call. Fed as is, a row's rounding would depend on the other
-  rows of its batch (and SmolLM2's outliers took perplexity 21.26 -> 61.4). So each row is divided by
+  rows of its batch (and SmolLM2's outliers would wreck its perplexity). So each row is divided by
   its own max |x| first, and one extra row pins the call's range to [-128/127, 1], whose uint8 grid
   (step 1/127, zero point 128) is exactly symmetric per-token int8 shifted by 128: every row is
   quantized as `int_mm` quantizes it, bit for bit the same whatever else is in the batch
-  (tests/test_int8.py), and the result is multiplied back by the row's scale. (A range of [-1, 1]
-  puts +1 half a step off the grid: each row's largest value, often an outlier channel, lost 0.4%.)
+  (tests/model/test_int8.py), and the result is multiplied back by the row's scale. (A range of
+  [-1, 1] puts +1 half a step off the grid: each row's largest value would lose precision.)
   Without VNNI, the u8 x s8 products are summed in pairs in int16 (`vpmaddubsw`) and saturate; there
   the weights keep 7 bits (|w| <= 63: a pair stays within 2 * 255 * 63 < 32768) rather than the
-  activations (torch.ao's `reduce_range`): on SmolLM2 under an AVX2 cap, 7-bit activations cost 4.1%
-  of perplexity, 7-bit weights 1.6-1.9% (with their own smoothing, `kvstrata.model.quantize`).
+  activations (torch.ao's `reduce_range`), which cost more perplexity (with their own smoothing,
+  `kvstrata.model.quantize`).
 
-The weights of every kernel are symmetric (zero points 0), so only the two scales dequantize.
+The weights of every kernel are symmetric (zero points 0), so only the two scales dequantize. The
+figures behind each choice: docs/design/model.md.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ INT8_KERNELS: dict[str, Callable[[Int8Rows], IntMMLinear | DynamicLinear]] = {
 
 def available_kernels() -> list[str]:
     """The kernels that are exact on this CPU and this torch build: `int_mm` only with VNNI (without
-    it oneDNN's s8 x s8 pairs saturate in int16: perplexity +3.6% under an AVX2 cap), the dynamic
-    kernels wherever torch has their engine (over 7-bit weights without VNNI)."""
+    it oneDNN's s8 x s8 pairs saturate in int16), the dynamic kernels wherever torch has their
+    engine (over 7-bit weights without VNNI)."""
     engines = torch.backends.quantized.supported_engines
     return [name for name in INT8_KERNELS if (machine().int8_dot if name == "int_mm" else name in engines)]

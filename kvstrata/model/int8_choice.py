@@ -1,9 +1,9 @@
 """Which int8 kernel a model runs on this CPU: measured once per CPU kind and model, then cached.
 
 The fastest int8 kernel differs by ISA far more than any tuning recovers: on a Zen 3 EPYC (AVX2,
-no VNNI) `_int_mm` ran SmolLM2 at 0.36x fp32's speed at batch 1, while under an AVX2 cap FBGEMM's
-projections ran 2.3x faster than fp32's and oneDNN's 1.3x slower; with VNNI the order changes again
-(figures per machine in BENCHMARKS.md). So at first load on a CPU kind, `choose_kernel` builds
+no VNNI) `_int_mm` ran SmolLM2 at 0.36x fp32's speed at batch 1, where FBGEMM beats fp32; with VNNI
+the order changes again (figures per machine: BENCHMARKS.md, docs/design/model.md). So at first
+load on a CPU kind, `choose_kernel` builds
 every candidate kernel of `kvstrata.model.int8` over the model's own int8 rows (one whose library
 cannot pack or run here is dropped, with a warning), and for each:
 1. times one pass over all projections and the head at 1 and 32 rows (a decode of one stream and of
@@ -12,9 +12,9 @@ cannot pack or run here is dropped, with a warning), and for each:
 2. scores perplexity on the calibration text against that float32 reference, a guard against a
    kernel that computes garbage here: one more than `MAX_PERPLEXITY_RATIO` above it is never
    chosen. (Kernels that would saturate on this ISA are not candidates at all: `available_kernels`.
-   The guard cannot rank the rest: a 1e-4 change in any one projection moves an int8 model's
-   perplexity by 1-2% through rounding that flips downstream, benchmarks/quant_accuracy.py measures
-   the chosen kernel's accuracy on 7,650 tokens.)
+   The guard cannot rank the rest: the smallest change to one projection moves an int8 model's
+   perplexity more than the kernels differ, through rounding that flips downstream;
+   benchmarks/quant_accuracy.py measures the chosen kernel's accuracy on a longer text.)
 It takes the kernel with the smallest mean time over the two row counts. The choice and every
 figure go to `<int8 state>.kernel-<hash of CPU kind, torch, candidates>.json`, so later starts read it
 back; a CPU where no int8 kernel beats float32 is warned about at every start, with the figures.

@@ -7,7 +7,7 @@ and so needs `libgomp.so.1`, the soname of the OpenMP runtime torch itself loads
 parallel loops run on torch's own thread team (one team spinning, not two; see AsyncLLMEngine).
 
 The build lands in `$KVSTRATA_CACHE_DIR/kernels` (default `~/.cache/kvstrata/kernels`) under a name
-made of the source's and the flags' hash, so a changed source rebuilds (about 30 s here, once: the
+made of the source's and the flags' hash, so a changed source rebuilds (once, tens of seconds: the
 AVX2 and plain x86-64 builds of the kernel's unrolled tile loops are most of it) and concurrent first
 uses do not clash (each writes a temporary file and renames it); `make install` builds it ahead.
 Without a compiler, or with `KVSTRATA_KERNELS=0`, `paged_decode()` returns None and attention keeps

@@ -4,18 +4,11 @@
 Why pack. `F.linear` on CPU calls MKL's gemm on the plain (out, in) weight, which copies it into
 its own blocked layout inside every call; oneDNN's inner-product primitive takes the weight once
 in its layout (`mkldnn._reorder_linear_weight`, what inductor's CPU freezing pass does) and then
-reads it straight through. Measured on this project's 2-core AMD EPYC (AVX-512, BF16), 2 threads,
-one layer's projections plus the 49,152-row head, ms per pass (F.linear -> packed):
-
-    rows      1            16           128          512
-    fp32    7.8 -> 2.7   16.5 -> 3.9   48 -> 19     192 -> 94
-    bf16    2.2 -> 1.4    3.0 -> 2.2   10.4 -> 9.4   49 -> 47
-
-Whole decode steps (benchmarks/model_step.py, 600 tokens of context): bf16 batch 1 / 16 / 32 20.4 /
-30.4 / 44.8 -> 13.8 / 27.1 / 38.1 ms; fp32 batch 16 / 32 70.4 / 112 -> 39.2 / 61.5 ms, and batch 1
-15.8 -> ~19 ms, the one loss (against the per-thread split `bmm` this replaced). Results stay
-float32 sums (within ~3e-6 of float64 for fp32, as MKL's). The hint is the row count oneDNN tunes
-its blocking for; any row count works with it (16 and 64 measured alike, 1 worse from 16 rows).
+reads it straight through: one layer's projections and the head at 16 rows took 16.5 -> 3.9 ms in
+fp32 and 3.0 -> 2.2 ms in bf16 (2-core AVX-512 EPYC, 2 threads). Where it loses: an fp32 decode
+step of one sequence, 15.8 -> ~19 ms (against the per-thread split `bmm` this replaced). Results
+stay float32 sums, as MKL's. The hint is the row count oneDNN tunes its blocking for; any row count
+works with it. The full figures: docs/design/model.md.
 """
 
 from __future__ import annotations
@@ -73,10 +66,9 @@ class PackedLinear:
         return cls(packed, dense.bias, dense.nbytes, min_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """oneDNN computes a single row on another path than two or more: in bf16, 41 of 2,048 random
-        rows (SmolLM2's projections, 4 layers) came out different in their last bit alone than in a
-        batch, none when padded to two rows (and none between any two row counts from 2 to 255).
-        So `min_rows=2` makes a row's bits independent of its batch."""
+        """oneDNN computes a single row on another path than two or more, so a bf16 row alone can differ
+        in its last bit from the same row in a batch (never between two row counts from 2 up). So
+        `min_rows=2` makes a row's bits independent of its batch (docs/design/model.md)."""
         m = x.shape[0]
         if m < self.min_rows:
             x = torch.cat([x, x.new_zeros(self.min_rows - m, x.shape[1])])

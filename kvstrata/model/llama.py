@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, stat_dtype: torch.dtype = torch.float32
              ) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalize in float32, scale in the model dtype. In float32 that is
-    `F.rms_norm` (one op to dispatch, 25 vs 50 us per call at one row); in bfloat16 five plain ops,
+    `F.rms_norm` (one op to dispatch, half the time of five at one row); in bfloat16 five plain ops,
     since `F.rms_norm` would scale in float32. `stat_dtype=float64` sums the mean square in float64:
     torch splits one row's sum across threads but not a batch's rows, so in float32 a row's bits
     depend on the batch, which bf16 rounding can turn into another greedy token."""
@@ -171,8 +171,7 @@ class LlamaModel(nn.Module):
         """`--batch-invariant`: attention and the norms' statistics summed in float64 (attention in
         the paged kernel, whose sums follow the row alone, when it can read the cache), and a lone
         row padded to two in the packed projections, so a 16-bit model's outputs do not depend on
-        the batch or on the path that made its KV (measured on 25 shared-prefix prompts in bf16:
-        22-23 of 25 greedy outputs equal to one-at-a-time caching off without it, 25 with it). See
+        the batch or on the path that made its KV (docs/design/model.md has the measurements). See
         "Exact attention" in kvstrata.model.attention and `PackedLinear`."""
         self.exact_sums = True
         self.attn.compute_dtype = torch.float64

@@ -103,9 +103,9 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -
     (AVX512-BF16 / AMX), else float32. With int8 quantization, 'auto' is float32 (the int8
     kernels take and return float32 activations).
 
-    Without native bf16 (e.g. AVX2-only EPYC), bf16 matmuls run 3-8x slower than fp32 at every
-    batch size (benchmarks/model_step.py). With it, bf16 is the better serving default from batch ~8 up
-    (research/assets.md: transformers 265 vs 158 tok/s at batch 32), at some cost for one stream.
+    Without native bf16 (e.g. AVX2-only EPYC), oneDNN emulates bf16 and its matmuls run several
+    times slower than fp32 at every batch size. With it, bf16 is the better serving default from
+    batch ~8 up, at some cost for one stream (figures: docs/design/model.md, "The dtype").
     """
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if name == "auto":

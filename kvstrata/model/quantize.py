@@ -21,14 +21,12 @@
    float32 for the lookup).
 4. Install them through the int8 kernel chosen for this CPU (`kvstrata.model.int8_choice`).
 
-Measured on SmolLM2-135M-Instruct (perplexity on benchmarks/data/gpl-3.0.txt, first 2,048 tokens):
-fp32 21.26, int8 without smoothing 22.31 (+5.0%), with it (alpha 0.5 everywhere) 21.60 (+1.6%).
-`benchmarks/quant_accuracy.py` reports the figures over the whole text and greedy agreement; an int8
-model's perplexity moves by 1-2% with any 1e-4 change to one projection (rounding flips
-downstream), so alphas were chosen on the spread over the kernels, not on one run.
+Smoothing is what keeps int8 close to fp32: on SmolLM2 it took the perplexity cost from +5.0% to
++1.6% (benchmarks/data/gpl-3.0.txt; the figures, and how the alphas were chosen:
+docs/design/model.md). `benchmarks/quant_accuracy.py` measures perplexity and greedy agreement.
 
-Doing all this takes 6.5 s for SmolLM2 on the 2-core machine (the calibration forward and
-reductions over 134M weights), too slow for every start, so the result is cached once per model:
+Doing all this takes seconds (the calibration forward and reductions over every weight), too slow
+for every start, so the result is cached once per model:
 `<cache root>/models/int8-<model fingerprint>-v<INT8_FORMAT_VERSION>-w<bits>.safetensors` (int8
 rows, scales, smoothed norms; 140 MB), written under a temporary name and renamed into place. A
 warm start loads the float model as usual and then swaps in the cached state.
@@ -65,9 +63,7 @@ logger = logging.getLogger(__name__)
 
 # By weight bits (`kvstrata.model.int8.weight_bits`), then projection. The down projection's input
 # (silu(gate) * up) has the worst outliers: with 8-bit weights it smooths harder, with 7-bit ones
-# less. Perplexity on benchmarks/data/gpl-3.0.txt (7,650 tokens; fp32 19.03), the spread over the
-# kernels, by down's alpha: 8-bit 0.5 +1.62-2.24%, 0.6 +1.29-1.44%, 0.65 +1.26-1.57%, 0.7
-# +2.13-2.22%; 7-bit (under an AVX2 cap) 0.3 +2.88%, 0.4 +2.20%, 0.45 +1.59-1.90%, 0.5 +2.58%.
+# less; each alpha is the one of least perplexity over the kernels (the sweep: docs/design/model.md).
 SMOOTHING_ALPHA = {
     8: {"qkv": 0.5, "o": 0.5, "gate_up": 0.5, "down": 0.6, "head": 0.5},
     7: {"qkv": 0.5, "o": 0.5, "gate_up": 0.5, "down": 0.45, "head": 0.5},

@@ -1,38 +1,30 @@
 """Structured output: a request's output held to a grammar (JSON schema, regex, choice, Lark/GBNF).
 
 The grammars and token masks come from llguidance; nothing here parses JSON or walks a state
-machine. `benchmarks/grammar_libs.py` chose it over xgrammar on this CPU (SmolLM2's 49152-token
-vocabulary, a nested JSON schema; medians of 3 interleaved runs of 48 steps; the 2 cores shared
-and busy, load average 8, so the figures are relative):
-
-    library      compile   fill, batch 1   fill, batch 32 in turn   fill, batch 32 on 2 threads
-    llguidance    0.6 ms      0.06 ms            0.29 ms                   6.7 ms
-    xgrammar     17-21 ms     0.02 ms            0.34 ms                   8.5 ms
-
-(an earlier, quieter run: compile 0.5 vs 4.0 ms, batch 32 on 2 threads 0.16 vs 0.54 ms). The
-masks cost about the same; llguidance compiles a schema 30x faster, and a new schema compiles on
-the request's path; and it is one abi3 wheel with no dependencies, where xgrammar's asks for
-triton. The mask is applied by `token_bound` below, not by either library's kernel.
+machine. `benchmarks/grammar_libs.py` chose it over xgrammar: the masks cost about the same, but
+llguidance compiled a nested JSON schema 30x faster (0.6 against 17-21 ms on the busy 2-core
+development machine), and a new schema compiles on the request's path; and it is one abi3 wheel
+with no dependencies, where xgrammar's asks for triton. The mask is applied by `token_bound` below,
+not by either library's kernel.
 
 How a constrained request is served:
 
-    request ──> GrammarSpec (kind, source)  ── compiled once per distinct spec (`grammar()`, cached);
+    request ──> GrammarSpec (kind, source)  ── compiled once per distinct spec (`compile_grammar`, cached);
                                               a spec the library rejects is a ValueError -> HTTP 400
     each step it samples:
       GrammarMasker.mask(logits, batch)
         rows with a spec only ──> matcher caught up with the request's output tokens (the ledger
                                   is the truth: a step that failed or a preemption never leaves
                                   the matcher ahead or behind)
-                               ──> (R, V/32) bitmask filled in parallel ──> -inf where forbidden
+                               ──> (R, V/32) bitmask filled ──> -inf where forbidden
 
 A batch without constrained rows costs one pass over its requests; a constrained row's raw
 logprobs (what the model thinks) are left alone, as vLLM reports them.
 
-What a mask costs a step (`benchmarks/structured_mask.py`, the 2 cores busy; the sampler step alone
-is 0.8 ms at batch 1 and 80-130 ms at batch 32 here): batch 1, 0.06-0.14 ms for the JSON schema,
-0.3-0.5 ms for a regex over letters; batch 32, 1.8-1.9 ms (JSON) and 16-23 ms (regex); a batch
-with no constrained row, 0.01 ms. llguidance's token slices cover JSON strings; a pattern they do
-not cover walks the whole vocabulary (~0.5-0.7 ms a row).
+What a mask costs a step is measured by `benchmarks/structured_mask.py`: small beside the sampler
+step for a JSON schema, where llguidance's token slices cover the strings; a pattern they do not
+cover (a regex over letters) walks the whole vocabulary for each row, the case where masks cost
+most. The figures: docs/design/structured-output.md.
 """
 
 from __future__ import annotations
@@ -60,8 +52,8 @@ logger = logging.getLogger(__name__)
 _FORMATS: dict[str, str] = {"json_schema": "json_schema", "json_object": "json_schema", "regex": "regex",
                             "choice": "choice", "grammar": "grammar"}
 # JSON as `json.dumps` writes it (", " and ": ", no other whitespace): no run of newlines for a small
-# model to lose itself in, and the spacing it saw most in training. SmolLM2 at temperature 1 closed
-# 19 of 20 small objects within 96 tokens this way, 16 of 20 with no spaces at all.
+# model to lose itself in, and the spacing it saw most in training (SmolLM2 closed more small objects
+# in time this way than with no spaces at all: docs/design/structured-output.md).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -109,9 +101,8 @@ class GrammarMasker:
     tokenizer: Any                   # the model's HF tokenizer
     vocab_size: int                  # width of the logits (the model's vocabulary)
     eos_token_ids: tuple[int, ...]
-    # Fill masks on llguidance's thread pool from this many rows on. On the 2 shared cores here a
-    # batch of 32 filled in 1.8 ms one by one and 5.9 ms on 2 threads (the machine busy); vLLM
-    # also fills one by one below 128 rows.
+    # Fill masks on llguidance's thread pool from this many rows on: below it, one by one was faster on
+    # busy shared cores (docs/design/structured-output.md); vLLM also fills one by one below 128 rows.
     parallel_from: int = 128
     threads: int = 2
     _ll: Any = field(default=None, init=False, repr=False)           # llguidance.LLTokenizer
@@ -156,7 +147,7 @@ class GrammarMasker:
     def _new_matcher(self, spec: GrammarSpec) -> Any:
         import llguidance
         import llguidance.hf
-        if self._ll is None:       # ~0.2 s for SmolLM2's vocabulary: paid by the first constrained request
+        if self._ll is None:       # a fraction of a second per vocabulary: paid by the first constrained request
             self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
                                                     eos_token=list(self.eos_token_ids))
             self._executor = llguidance.LLExecutor(num_threads=self.threads)
@@ -185,9 +176,9 @@ def token_bound(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
 def apply_bound(logits: torch.Tensor, rows: list[int], bound: np.ndarray, in_place: bool) -> torch.Tensor:
     """`logits` (S, V) with `rows` capped by `bound` (R, V); a copy unless `in_place`.
 
-    On CPU this runs in numpy, one thread: on the 2 shared cores here every 2-thread torch op of
-    this size waited ~20 ms for the busy second core (torch.minimum at (1, 49152): 20 ms; numpy:
-    0.002 ms), and masked_fill_ took 13 ms at (32, 49152) where the minimum takes 0.16 ms.
+    On CPU this runs in numpy, one thread: a 2-thread torch op of this size waits for a busy second
+    core (torch.minimum at (1, 49152): 20 ms against numpy's 0.002 ms on the shared 2-core machine;
+    the figures: docs/design/structured-output.md).
     """
     if logits.device.type != "cpu":
         capped = torch.from_numpy(bound).to(logits.device)

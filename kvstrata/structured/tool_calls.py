@@ -4,7 +4,7 @@
 
     "none"      the tools are left out of the prompt; the reply is plain content
     "auto"      the model writes calls in its own format, parsed here (below); anything else is content
-    "required"  the reply is constrained (structured.py) to a JSON list of {"name", "arguments"}, one
+    "required"  the reply is constrained (a GrammarSpec) to a JSON list of {"name", "arguments"}, one
                 entry per call, each holding one of the tools and that tool's parameter schema
     named       the reply is constrained to the named function's parameter schema: it is the arguments
 

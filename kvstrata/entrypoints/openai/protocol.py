@@ -52,7 +52,7 @@ class SamplingBody(BaseModel):
     ignore_eos: bool = False                          # extension
     min_tokens: int = Field(default=0, ge=0)          # extension
     priority: int = 0                                 # extension: lower is served first (policy=priority)
-    response_format: dict[str, Any] | None = None     # text, json_object, json_schema (structured.py)
+    response_format: dict[str, Any] | None = None     # text, json_object, json_schema (structured/grammar.py)
     structured_outputs: dict[str, Any] | None = None  # extension (vLLM): json, regex, choice, grammar, json_object
     guided_json: dict[str, Any] | str | None = None   # extension (vLLM before 0.12), as the four below
     guided_regex: str | None = None
@@ -120,7 +120,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None      # None only for assistant (as OpenAI allows)
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None         # assistant: the calls it made (tool_calls.py)
+    tool_calls: list[dict[str, Any]] | None = None         # assistant: the calls it made (structured/tool_calls.py)
     tool_call_id: str | None = None                        # tool: the call this is the result of
 
     @model_validator(mode="after")

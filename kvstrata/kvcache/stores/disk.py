@@ -4,7 +4,7 @@ A file per block rather than segments: gets, the path a request waits on, are as
 (`benchmarks/disk_layout.py`), and files give for free what segments would have to build:
 deleting one block (LRU), two engines on one folder without a shared index or locks, nothing to
 recover after a crash (atomic os.replace, unlink). Segments put faster where creating a file is
-dear; puts run off the step loop. Figures: docs/design/stores.md. Callers should check `exists`
+dear; puts run off the step loop. Figures: docs/design/tiers-and-stores.md. Callers should check `exists`
 before encoding a block to put: a rewrite costs a create.
 """
 
