@@ -22,12 +22,7 @@ import time
 
 import numpy as np
 
-from kvstrata.calibration.engine_replay import (
-    BLOCK_SIZE,
-    MAX_CHUNK,
-    ShapeRecorder,
-    warm_up,
-)
+from kvstrata.calibration.engine_replay import BLOCK_SIZE, MAX_CHUNK, ShapeRecorder, warm_up
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine

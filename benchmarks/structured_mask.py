@@ -19,9 +19,7 @@ import statistics
 import time
 
 import torch
-from grammar_libs import (
-    SCHEMA,  # the library comparison's schema (the script's folder is on sys.path)
-)
+from grammar_libs import SCHEMA  # the library comparison's schema (the script's folder is on sys.path)
 
 from kvstrata.core.config import ModelConfig
 from kvstrata.core.hashing import BlockHasher

@@ -24,13 +24,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from kvstrata.bench.client import (
-    RequestOptions,
-    Target,
-    request_body,
-    resolve_model,
-    send,
-)
+from kvstrata.bench.client import RequestOptions, Target, request_body, resolve_model, send
 from kvstrata.bench.metrics import RequestResult
 from kvstrata.bench.quiet import wait_quiet
 from kvstrata.bench.workloads import Session, Workload, WorkloadOptions, random_workload

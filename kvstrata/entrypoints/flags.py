@@ -11,14 +11,7 @@ import types
 import typing
 from collections.abc import Callable
 
-from kvstrata.core.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    format_size,
-    parse_size,
-)
+from kvstrata.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, format_size, parse_size
 
 ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
 

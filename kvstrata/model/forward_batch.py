@@ -24,9 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.kvcache.prefix_groups import (
-    DecodeGroup,  # re-exported: it lives where torch is not needed
-)
+from kvstrata.kvcache.prefix_groups import DecodeGroup  # re-exported: it lives where torch is not needed
 
 
 @dataclass

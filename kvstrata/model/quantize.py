@@ -50,12 +50,7 @@ import torch
 
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, weight_bits
-from kvstrata.model.int8_choice import (
-    Int8Choice,
-    cached_or_chosen,
-    candidates,
-    perplexity,
-)
+from kvstrata.model.int8_choice import Int8Choice, cached_or_chosen, candidates, perplexity
 from kvstrata.model.linear import DenseLinear, Projection
 from kvstrata.model.llama import LlamaModel
 

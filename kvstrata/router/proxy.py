@@ -29,24 +29,11 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.router.event_view import EventView
-from kvstrata.router.policies import (
-    POLICIES,
-    Decision,
-    NoEngineAvailable,
-    Policy,
-    RoutedPrompt,
-    make_policy,
-)
+from kvstrata.router.policies import POLICIES, Decision, NoEngineAvailable, Policy, RoutedPrompt, make_policy
 
 logger = logging.getLogger(__name__)
 

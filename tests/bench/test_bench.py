@@ -8,19 +8,8 @@ import pytest
 
 from kvstrata.bench.cases import read_cases, write_cases
 from kvstrata.bench.loadgen import arrival_times
-from kvstrata.bench.metrics import (
-    RequestResult,
-    RunMetrics,
-    Summary,
-    parse_slo,
-    percentile,
-)
-from kvstrata.bench.workloads import (
-    TOKEN_HIGH,
-    TOKEN_LOW,
-    WorkloadOptions,
-    build_workload,
-)
+from kvstrata.bench.metrics import RequestResult, RunMetrics, Summary, parse_slo, percentile
+from kvstrata.bench.workloads import TOKEN_HIGH, TOKEN_LOW, WorkloadOptions, build_workload
 from kvstrata.entrypoints.cli.main import main
 from tests.entrypoints.server_helpers import running_server
 

@@ -15,11 +15,7 @@ import pytest
 import torch
 
 from kvstrata.calibration.engine_replay import ShapeRecorder, TransferWaits, fault_in_kv
-from kvstrata.calibration.fitted_on import (
-    FittedOnError,
-    check_not_fitted_on,
-    slice_identity,
-)
+from kvstrata.calibration.fitted_on import FittedOnError, check_not_fitted_on, slice_identity
 from kvstrata.calibration.slices import Slice, session_lines, spread_ties
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.machine import machine as current_machine

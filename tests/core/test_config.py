@@ -4,13 +4,7 @@ import dataclasses
 
 import pytest
 
-from kvstrata.core.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    parse_size,
-)
+from kvstrata.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from kvstrata.core.sampling_params import SamplingParams
 
 

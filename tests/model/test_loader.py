@@ -20,13 +20,7 @@ from kvstrata.core.config import ModelConfig
 from kvstrata.core.machine import machine
 from kvstrata.model import gguf_convert
 from kvstrata.model.arch import arch_from_hf_config
-from kvstrata.model.loader import (
-    default_model_path,
-    file_sha256,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-)
+from kvstrata.model.loader import default_model_path, file_sha256, load_model, resolve_device, resolve_dtype
 from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model
 
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

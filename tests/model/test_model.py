@@ -12,13 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Conf
 from kvstrata.core.config import ModelConfig
 from kvstrata.model.linear import DenseLinear, PackedLinear, can_pack
 from kvstrata.model.loader import load_model
-from tests.model.model_helpers import (
-    Seq,
-    greedy_chat,
-    new_cache,
-    run_step,
-    save_tiny_hf_model,
-)
+from tests.model.model_helpers import Seq, greedy_chat, new_cache, run_step, save_tiny_hf_model
 
 ATOL = 1e-4        # float32, logits of magnitude ~10
 VOCAB = 256

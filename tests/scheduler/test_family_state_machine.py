@@ -15,12 +15,7 @@ from collections import Counter
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    initialize,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import initialize, precondition, rule, run_state_machine_as_test
 
 from kvstrata.core.request import RequestStatus
 from tests.kvcache.fakes import make_family, step

@@ -6,14 +6,7 @@ import pytest
 
 from kvstrata.core.request import RequestStatus
 from kvstrata.kvcache.block_pool import BlockState
-from tests.kvcache.fakes import (
-    EOS,
-    FakeRunner,
-    drive,
-    make_request,
-    make_scheduler,
-    step,
-)
+from tests.kvcache.fakes import EOS, FakeRunner, drive, make_request, make_scheduler, step
 
 
 def runner_for(scheduler):

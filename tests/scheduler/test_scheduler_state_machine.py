@@ -23,14 +23,7 @@ from hypothesis.stateful import (
 )
 
 from kvstrata.core.request import RequestStatus
-from tests.kvcache.fakes import (
-    FakeMover,
-    FakeRunner,
-    drain,
-    make_request,
-    make_scheduler,
-    step,
-)
+from tests.kvcache.fakes import FakeMover, FakeRunner, drain, make_request, make_scheduler, step
 
 EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "1000"))
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]

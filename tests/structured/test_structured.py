@@ -11,12 +11,7 @@ from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.request import Request
 from kvstrata.core.sampling_params import GrammarSpec, SamplingParams
 from kvstrata.structured.grammar import GrammarMasker, compile_grammar, spec_from_request, token_bound
-from kvstrata.structured.tool_calls import (
-    ToolCallStream,
-    ToolPlan,
-    inline_tools,
-    message,
-)
+from kvstrata.structured.tool_calls import ToolCallStream, ToolPlan, inline_tools, message
 from kvstrata.worker.sampler import Sampler
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

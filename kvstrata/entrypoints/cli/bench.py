@@ -17,12 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstrata.bench.workloads import (
-    WORKLOADS,
-    Workload,
-    WorkloadOptions,
-    build_workload,
-)
+from kvstrata.bench.workloads import WORKLOADS, Workload, WorkloadOptions, build_workload
 
 if TYPE_CHECKING:
     from kvstrata.bench.client import Target

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from kvstrata.router.policies import POLICIES
-from kvstrata.router.proxy import (
-    RouterConfig,
-    build_fleet,
-    create_router_app,
-    load_tokenizer,
-)
+from kvstrata.router.proxy import RouterConfig, build_fleet, create_router_app, load_tokenizer
 
 
 def add_router(commands) -> None:

@@ -10,11 +10,7 @@ import signal
 import time
 
 from kvstrata.core.config import ServerConfig
-from kvstrata.entrypoints.flags import (
-    add_engine_flags,
-    add_section_flags,
-    engine_config,
-)
+from kvstrata.entrypoints.flags import add_engine_flags, add_section_flags, engine_config
 
 
 def add_serve(commands: argparse._SubParsersAction) -> None:

@@ -11,13 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-)
+from prometheus_client import CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 

@@ -21,14 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvstrata.kvcache.stores.base import (
-    REDIS_PREFIX,
-    Breaker,
-    Counters,
-    StoreError,
-    StoreStats,
-    guard,
-)
+from kvstrata.kvcache.stores.base import REDIS_PREFIX, Breaker, Counters, StoreError, StoreStats, guard
 
 logger = logging.getLogger(__name__)
 

@@ -8,14 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from kvstrata.kvcache.stores.base import (
-    REDIS_PREFIX,
-    Breaker,
-    Counters,
-    StoreError,
-    StoreStats,
-    guard,
-)
+from kvstrata.kvcache.stores.base import REDIS_PREFIX, Breaker, Counters, StoreError, StoreStats, guard
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

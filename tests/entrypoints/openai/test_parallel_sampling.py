@@ -8,12 +8,7 @@ import pytest
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.faults import FaultInjector
 from tests.entrypoints.openai.test_server import client, server  # noqa: F401  (fixtures: a live server of 256 blocks of 16, its client)
-from tests.entrypoints.server_helpers import (
-    MODEL,
-    blocks_at_rest,
-    running_server,
-    wait_idle,
-)
+from tests.entrypoints.server_helpers import MODEL, blocks_at_rest, running_server, wait_idle
 
 PROMPT = "Write one sentence about a lighthouse keeper who finds a strange map in a bottle"
 

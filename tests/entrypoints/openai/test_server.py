@@ -8,13 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server_helpers import (
-    MODEL,
-    blocks_at_rest,
-    running_server,
-    scrape,
-    wait_idle,
-)
+from tests.entrypoints.server_helpers import MODEL, blocks_at_rest, running_server, scrape, wait_idle
 
 
 @pytest.fixture(scope="module")

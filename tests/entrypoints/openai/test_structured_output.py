@@ -9,12 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.entrypoints.server_helpers import (
-    MODEL,
-    blocks_at_rest,
-    running_server,
-    wait_idle,
-)
+from tests.entrypoints.server_helpers import MODEL, blocks_at_rest, running_server, wait_idle
 
 # Nested object, enum, array; sizes bounded so that every answer ends well within max_tokens.
 PLACE = {

@@ -18,19 +18,8 @@ from kvstrata.core.hashing import BlockHasher
 from kvstrata.kvcache.buffers import KVCacheSpec
 from kvstrata.kvcache.stores import DiskStore, RedisStore, open_store
 from kvstrata.kvcache.stores.base import StoreError
-from kvstrata.kvcache.stores.records import (
-    HEADER,
-    RecordError,
-    decode_record,
-    encode_record,
-    record_size,
-)
-from tests.kvcache.stores.store_helpers import (  # noqa: F401
-    RedisServer,
-    free_port,
-    hammer_disk_store,
-    redis_server,
-)
+from kvstrata.kvcache.stores.records import HEADER, RecordError, decode_record, encode_record, record_size
+from tests.kvcache.stores.store_helpers import RedisServer, free_port, hammer_disk_store, redis_server  # noqa: F401
 
 SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
 FINGERPRINT = "f" * 64
