@@ -16,7 +16,7 @@ from kvstrata.core.sampling_params import GrammarSpec
 from kvstrata.engine.prompts import Prompt
 from kvstrata.entrypoints.openai.errors import STEP_FAILED, ApiError
 from kvstrata.entrypoints.openai.protocol import SamplingBody
-from kvstrata.entrypoints.openai.responses import full_response, sse
+from kvstrata.entrypoints.openai.completion_output import full_response, sse
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.entrypoints.openai.tracker import RequestTracker
 from kvstrata.structured.tool_calls import ToolPlan

@@ -1,5 +1,5 @@
-"""Response bodies: a whole completion (the n best samples, logprobs, tool calls parsed) or its
-server-sent events, in OpenAI's shapes."""
+"""Completion output bodies: a whole chat or text completion (the n best samples, logprobs, tool calls
+parsed) or its server-sent events, in OpenAI's shapes."""
 
 from __future__ import annotations
 
