@@ -11,6 +11,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]   # (token id, logprob) of the most likely tokens, best first
+    rank: int = 1                  # 1 + how many tokens the model thought likelier
 
 
 @dataclass
@@ -29,6 +30,10 @@ class RequestOutput:
     first_scheduled_time: float | None = None     # monotonic; when the request was first computed (metrics)
     index: int = 0                 # which sample of its request (n / best_of > 1)
     cumulative_logprob: float | None = None       # of the sampled tokens so far, when they were scored
+    # On a request's first output only (None on the others): its prompt, and when asked for, each
+    # prompt token's logprob (the first is None: nothing predicts it).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def best_samples(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:

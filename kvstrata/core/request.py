@@ -61,6 +61,7 @@ class Request:
     num_preemptions: int = 0
     family: SampleFamily | None = None              # the samples of one request that share its prefill
     sample_index: int = 0
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # sampling.bad_words as the tokenizer spells them
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -90,6 +91,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt position's logits are needed, so no prompt block may come from a cache (vLLM's rule)."""
+        return self.sampling.prompt_logprobs is not None
 
     def append_output(self, token_id: int) -> None:
         self.token_ids.append(token_id)

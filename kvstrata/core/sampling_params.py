@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,6 +72,16 @@ class SamplingParams:
     n: int = 1                     # completions returned
     best_of: int | None = None     # completions sampled (None: n); the n of highest cumulative logprob return
     structured: GrammarSpec | None = None    # the grammar the output must match
+    # What the model may say, applied to the logits with the penalties (logprobs stay the raw ones):
+    logit_bias: Mapping[int, float] | None = None      # token id -> added to its logit; -100 bans it
+    allowed_token_ids: tuple[int, ...] | None = None   # only these may be sampled
+    bad_words: tuple[str, ...] = ()                    # never completed, whichever way they tokenize
+    # What the caller gets back:
+    prompt_logprobs: int | None = None     # top-n logprobs of every prompt token after the first
+    truncate_prompt_tokens: int | None = None          # keep only the prompt's last N tokens
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def num_samples(self) -> int:
@@ -81,6 +92,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures below 1e-5 scale logits past float32 range, so they count as greedy too."""
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Whether a logits processor (bias, allowed ids, bad words) applies before sampling."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     def validate(self) -> SamplingParams:
         _require(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -109,6 +125,17 @@ class SamplingParams:
                  f"n must be between 1 and {MAX_SAMPLES}, not {self.n}")
         _require(self.best_of is None or (isinstance(self.best_of, int) and self.n <= self.best_of <= MAX_SAMPLES),
                  f"best_of must be between n ({self.n}) and {MAX_SAMPLES}, not {self.best_of}")
+        _require(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                 f"prompt_logprobs must be between 0 and 20, not {self.prompt_logprobs}")
+        _require(all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
+                     for t, b in (self.logit_bias or {}).items()),
+                 "logit_bias maps token ids to biases between -100 and 100")
+        _require(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
+            isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids must be a non-empty list of token ids")
+        _require(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
+        _require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+                 f"truncate_prompt_tokens must be a positive integer, not {self.truncate_prompt_tokens}")
         if self.structured is not None:      # its grammar is compiled (or refused) by kvstrata.structured
             _require(not self.ignore_eos and self.min_tokens == 0,
                      "structured output ends where its grammar ends: ignore_eos and min_tokens are not allowed with it")

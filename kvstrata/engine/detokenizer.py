@@ -6,7 +6,8 @@ each new piece is the difference between decoding a short window with and withou
 tokens (a few prompt tokens seed the window, so leading spaces decode as they would in context).
 
 With stop strings, the last `max(len(stop)) - 1` characters are held back until the request ends:
-they may be the start of a stop string, and text once streamed cannot be taken back.
+they may be the start of a stop string, and text once streamed cannot be taken back. The text ends
+before the stop string, or after it with `include_stop`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 include_stop: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
+        self._decode_options = {"skip_special_tokens": skip_special_tokens,
+                                "spaces_between_special_tokens": spaces_between_special_tokens}
         self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -29,7 +35,7 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, **self._decode_options)
 
     def add(self, token_id: int) -> str | None:
         """Take one output token; return the stop string it completed, if any (text is cut before it)."""
@@ -51,7 +57,7 @@ class IncrementalDetokenizer:
                 best = (at, stop)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
         return best[1]
 
     def delta(self, final: bool) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.errors import RequestRejected
 from kvstrata.core.hashing import BlockHasher
-from kvstrata.core.outputs import RequestOutput, best_samples
+from kvstrata.core.outputs import RequestOutput, TokenLogprob, best_samples
 from kvstrata.core.request import Request, RequestStatus, SampleFamily
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
@@ -56,8 +56,10 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     family_id: str                     # the id the caller knows (a family's samples share it)
     show_logprobs: bool                # the caller asked (best_of also scores the samples that did not)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # shared by a family's samples; [0] is None
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    reported: bool = False             # an output has gone out (prompt logprobs ride on the first)
 
 
 class LLMEngine:
@@ -100,24 +102,16 @@ class LLMEngine:
         request (a family's leader).
         """
         token_ids = self.prompts.encode(prompt)
-        params = params or SamplingParams()
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max(1, self.config.scheduler.max_model_len - len(token_ids)))
-        params = params.validate()
-        if params.structured is not None:
-            compile_grammar(params.structured)     # a grammar the library rejects: RequestRejected, nothing queued
-        if params.structured is not None and self.runner.sampler.grammars is None:
-            raise RequestRejected("structured output needs the model's tokenizer, and this model has none",
-                                  params.structured.param)
-        vocab = self.loaded.arch.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise RequestRejected(f"token ids must be in [0, {vocab})", "prompt")
+        params = self._resolved(params or SamplingParams(), token_ids)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
         request_id = request_id or f"req-{next(self._ids)}"
         arrival = time.monotonic() if arrival_time is None else arrival_time
         num_samples = params.num_samples
+        bad_words = self.prompts.bad_word_sequences(params.bad_words)
         samples = [Request(request_id if num_samples == 1 else f"{request_id}/{index}", token_ids,
                            params.for_sample(index) if num_samples > 1 else params, self.hasher,
-                           arrival_time=arrival, priority=priority, sample_index=index)
+                           arrival_time=arrival, priority=priority, sample_index=index, bad_words_token_ids=bad_words)
                    for index in range(num_samples)]
         if request_id in self._families or (num_samples > 1 and request_id in self._tracked):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -128,11 +122,32 @@ class LLMEngine:
         self.scheduler.add_request(samples[0])
         if num_samples > 1:
             self._families[request_id] = [sample.request_id for sample in samples]
+        prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
         for sample in samples:
-            self._tracked[sample.request_id] = _Tracked(
-                sample, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop), request_id,
-                show_logprobs=params.logprobs is not None)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
+                                                 params.skip_special_tokens, params.spaces_between_special_tokens)
+            self._tracked[sample.request_id] = _Tracked(sample, detokenizer, request_id,
+                                                        params.logprobs is not None, prompt_logprobs)
         return samples[0]
+
+    def _resolved(self, params: SamplingParams, token_ids: list[int]) -> SamplingParams:
+        """`params` checked against this model, with max_tokens resolved; RequestRejected if they cannot run."""
+        num_prompt = min(len(token_ids), params.truncate_prompt_tokens or len(token_ids))
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(1, self.config.scheduler.max_model_len - num_prompt))
+        params = params.validate()
+        if params.structured is not None:
+            compile_grammar(params.structured)     # a grammar the library rejects: RequestRejected, nothing queued
+        if params.structured is not None and self.runner.sampler.grammars is None:
+            raise RequestRejected("structured output needs the model's tokenizer, and this model has none",
+                                  params.structured.param)
+        vocab = self.loaded.arch.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise RequestRejected(f"token ids must be in [0, {vocab})", "prompt")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(not 0 <= t < vocab for t in ids):
+                raise RequestRejected(f"{name}: token ids must be in [0, {vocab})", name)
+        return params
 
     @property
     def info(self) -> EngineInfo:
@@ -207,6 +222,9 @@ class LLMEngine:
     def _outputs(self, output: SchedulerOutput, result: StepResult, finished: list[Request]) -> list[RequestOutput]:
         """Detokenize the sampled tokens, apply stop strings, and describe each request's progress."""
         done = {r.request_id for r in finished}
+        for request_id, (first, entries) in result.prompt_logprobs.items():
+            scored = self._tracked[request_id].prompt_logprobs
+            scored[first:first + len(entries)] = entries
         outputs = []
         for request_id, token_id in result.token_ids.items():
             tracked = self._tracked[request_id]
@@ -227,6 +245,8 @@ class LLMEngine:
         finished = request.is_finished
         shown = tracked.logprobs if tracked.show_logprobs else []
         logprobs = shown[-len(new_token_ids):] if shown and new_token_ids else []
+        first = not tracked.reported
+        tracked.reported = True
         if finished:
             del self._tracked[request.request_id]
             if tracked.family_id in self._families and not any(
@@ -236,7 +256,9 @@ class LLMEngine:
                              finished, request.status.finish_reason, request.num_prompt_tokens,
                              max(0, request.num_cached_tokens), request.num_output_tokens, logprobs,
                              request.first_scheduled_time, request.sample_index,
-                             tracked.cumulative_logprob if tracked.logprobs else None)
+                             tracked.cumulative_logprob if tracked.logprobs else None,
+                             list(request.prompt_token_ids) if first else None,
+                             list(tracked.prompt_logprobs) if first and tracked.prompt_logprobs else None)
 
     def _final_outputs(self) -> list[RequestOutput]:
         """The last output of every tracked request that has finished (each is reported once)."""
@@ -315,4 +337,5 @@ def _combine(parts: list[RequestOutput]) -> RequestOutput:
     return RequestOutput(last.request_id, [t for p in parts for t in p.new_token_ids], "".join(p.text for p in parts),
                          last.finished, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens,
                          last.num_output_tokens, [lp for p in parts for lp in p.logprobs],
-                         last.first_scheduled_time, last.index, last.cumulative_logprob)
+                         last.first_scheduled_time, last.index, last.cumulative_logprob, parts[0].prompt_token_ids,
+                         parts[0].prompt_logprobs)

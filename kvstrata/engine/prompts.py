@@ -22,6 +22,10 @@ class ChatPrompt:
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] = ()     # OpenAI function tools, rendered for the model (kvstrata.structured)
+    template: str | None = None                # the request's own template instead of the model's
+    template_kwargs: tuple[tuple[str, Any], ...] = ()     # more variables for the template
+    add_generation_prompt: bool = True         # open the assistant's turn
+    continue_final_message: bool = False       # or continue the last message, left open
 
 
 Prompt = str | Sequence[int] | ChatPrompt
@@ -41,20 +45,35 @@ class PromptEncoder:
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, ChatPrompt):
-            return self.chat_prompt(prompt.messages, prompt.tools)
+            return self.chat_prompt(prompt.messages, prompt.tools, prompt)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return [int(t) for t in prompt]
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
-        """Token ids of a chat rendered with the model's own template, ready for the reply."""
-        if not self.chat_template:
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
+                    options: ChatPrompt | None = None) -> list[int]:
+        """Token ids of a chat rendered with the model's own template (or `options.template`), ready for
+        the reply; `options` carries the request's other template settings."""
+        options = options or ChatPrompt(())
+        template = options.template or self.chat_template
+        if not template:
             raise ValueError(f"the model {self.model_name} has no chat template; use a completion instead")
         try:
-            text = render_chat(self.tokenizer, self.chat_template, messages, tools)
+            text = render_chat(self.tokenizer, template, messages, tools, options.add_generation_prompt,
+                               options.continue_final_message, dict(options.template_kwargs))
         except Exception as exc:        # the template's own checks (role order, missing fields)
             raise RequestRejected(f"the chat template rejected these messages: {exc}", "prompt") from exc
         return self.encode(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
+
+    def bad_word_sequences(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, alone and after a space (how it tokenizes mid-sentence), as vLLM does."""
+        sequences = []
+        for word in words:
+            for spelling in dict.fromkeys((word, word if word.startswith(" ") else " " + word)):
+                ids = tuple(self.tokenizer.encode(spelling, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return tuple(sequences)

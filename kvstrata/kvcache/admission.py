@@ -124,8 +124,11 @@ class Admission:
 
     # ---- matching a prefix, tier by tier (pure) -------------------------------------------------
     def _max_hit_blocks(self, request: Request) -> int:
-        """Full blocks a hit may cover: the last token is always computed, for its logits."""
-        return (request.num_tokens - 1) // self.block_size if self.config.enable_prefix_caching else 0
+        """Full blocks a hit may cover: the last token is always computed, for its logits; none for a
+        request that scores its prompt, whose every position's logits are needed."""
+        if not self.config.enable_prefix_caching or request.wants_prompt_logprobs:
+            return 0
+        return (request.num_tokens - 1) // self.block_size
 
     def _match(self, pool: BlockPool | None, request: Request, start: int, stop: int) -> list[Block]:
         if pool is None:

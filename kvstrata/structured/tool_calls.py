@@ -228,13 +228,16 @@ def _safe_content_end(text: str) -> int:
 
 # ---- rendering the conversation ------------------------------------------------------------------------
 def render_chat(tokenizer: Any, template: str, messages: Sequence[dict[str, Any]],
-                tools: Sequence[dict[str, Any]]) -> str:
-    """The prompt text of a conversation with tools and tool turns, through the model's template."""
+                tools: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of a conversation with tools and tool turns, through `template` (the model's,
+    or the request's own); `continue_final_message` leaves the last message open for the reply."""
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    options = {"chat_template": template, "tokenize": False, "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message, **(template_kwargs or {})}
     if "tools" in template or not (tools or has_tool_turns):
-        return tokenizer.apply_chat_template(list(messages), tools=list(tools) or None, tokenize=False,
-                                             add_generation_prompt=True)
-    return tokenizer.apply_chat_template(inline_tools(messages, tools), tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(list(messages), tools=list(tools) or None, **options)
+    return tokenizer.apply_chat_template(inline_tools(messages, tools), **options)
 
 
 def inline_tools(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[dict[str, str]]:

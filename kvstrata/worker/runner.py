@@ -8,7 +8,7 @@ tier manager to build its pool from, never written back into config.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
 from kvstrata.model.loader import LoadedModel
 from kvstrata.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from kvstrata.structured.grammar import GrammarMasker
+from kvstrata.worker.logprobs import token_logprobs
 from kvstrata.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -47,10 +48,21 @@ def host_blocks_for(config: CacheConfig, spec: KVCacheSpec) -> int:
 
 @dataclass
 class StepResult:
-    """What the model produced in one step, keyed by request id (only chunks that sample)."""
+    """What the model produced in one step, keyed by request id (only chunks that sample, and for
+    `prompt_logprobs`, chunks of a prompt that asked: (index of the first prompt token scored, entries))."""
 
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprob]
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+def prompt_logprob_positions(chunk: ScheduledChunk) -> range:
+    """Positions of `chunk` whose logits score the prompt's next token (a prompt of n tokens has
+    n - 1 of them: nothing predicts its first token, and its last position predicts the output)."""
+    request = chunk.request
+    if not request.wants_prompt_logprobs:
+        return range(0)
+    return range(chunk.start, min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1))
 
 
 class ModelRunner:
@@ -84,8 +96,10 @@ class ModelRunner:
         chunks = [decodes[i] for i in order] + [c for c in output.chunks if c.num_tokens != 1]
         batch = self.build_batch(chunks, groups)
         with torch.inference_mode():
-            logits = self.model(batch, self.kv)                              # (S, V) float32
+            logits = self.model(batch, self.kv)                              # (S + P, V) float32
         sampling = [c.request for c in chunks if c.sample]
+        prompt_logprobs = self._prompt_logprobs(chunks, logits[len(sampling):])
+        logits = logits[:len(sampling)]
         forks = [(row, sample) for row, c in enumerate(c for c in chunks if c.sample) for sample in c.forks]
         if forks:       # a family's other samples draw their first token from the leader's logits
             logits = torch.cat([logits, logits[[row for row, _ in forks]]])                 # (S + F, V)
@@ -93,7 +107,25 @@ class ModelRunner:
         result = self.sampler(logits, sampling)
         ids = [r.request_id for r in sampling]
         return StepResult(dict(zip(ids, result.token_ids)),
-                          {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None})
+                          {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}, prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(chunks: list[ScheduledChunk], logits: torch.Tensor
+                         ) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        """Score each asking chunk's next prompt tokens from its rows of `logits` (P, V), in chunk order."""
+        scored, row = {}, 0
+        for chunk in chunks:
+            positions = prompt_logprob_positions(chunk)
+            if not positions:
+                continue
+            request = chunk.request
+            targets = request.token_ids[positions.start + 1:positions.stop + 1]
+            entries = token_logprobs(logits[row:row + len(positions)], targets,
+                                     [request.sampling.prompt_logprobs] * len(positions))
+            scored[request.request_id] = (positions.start + 1, entries)
+            row += len(positions)
+        assert row == logits.shape[0], "every prompt-logprob row belongs to a chunk"
+        return scored
 
     def build_batch(self, chunks: list[ScheduledChunk], groups: list[DecodeGroup] | None = None) -> ForwardBatch:
         """Flatten chunks (decodes first, `groups` of them sharing a prefix at the front) into
@@ -113,6 +145,8 @@ class ModelRunner:
         slots = tables[seq_of_token, positions // size] * size + positions % size
         input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(lengths.sum()))
         logits_rows = [int(query_start[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample]
+        logits_rows += [int(query_start[i]) + p - c.start for i, c in enumerate(chunks)   # after the sampled rows
+                        for p in prompt_logprob_positions(c)]
         to = lambda a: torch.from_numpy(a).to(self.device)                 # noqa: E731
         return ForwardBatch(
             input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),

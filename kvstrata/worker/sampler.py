@@ -4,6 +4,7 @@ Its semantics follow vLLM v1's sampler, so clients see the same behaviour. The p
 
     raw logits ──> logprobs (log_softmax of the raw logits, vLLM's default "raw_logprobs")
         │
+        ├─ logit_bias, allowed_token_ids, bad_words (logits_processors.py)
         ├─ min_tokens: EOS and stop_token_ids -> -inf until min_tokens outputs exist
         ├─ repetition penalty  (prompt + output tokens; HF/vLLM: l > 0 ? l / r : l * r)
         ├─ presence / frequency penalties (output tokens only; OpenAI: l -= f * count + p * [count > 0])
@@ -30,6 +31,8 @@ from kvstrata.core.outputs import TokenLogprob
 from kvstrata.core.request import Request
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.structured.grammar import GrammarMasker
+from kvstrata.worker.logits_processors import apply_token_constraints
+from kvstrata.worker.logprobs import token_logprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -195,6 +198,8 @@ class Sampler:
         processed = logits
         if any(_needs_penalties(r, self.eos_token_ids) for r in requests):
             processed = apply_penalties(logits, requests, self.eos_token_ids)
+        if any(r.sampling.constrains_tokens for r in requests):
+            processed = apply_token_constraints(processed if processed is not logits else logits.clone(), requests)
         if self.grammars is not None:       # after penalties, before the greedy/random split; raw logprobs stay
             processed = self.grammars.mask(processed, requests, in_place=processed is not logits)
 
@@ -212,7 +217,9 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if logprob_rows:
-            for i, entry in zip(logprob_rows, self._logprobs(logits, token_ids, logprob_rows, params)):
+            entries = token_logprobs(logits[torch.tensor(logprob_rows, device=logits.device)],
+                                     [token_ids[i] for i in logprob_rows], [params[i].logprobs for i in logprob_rows])
+            for i, entry in zip(logprob_rows, entries):
                 logprobs[i] = entry
         return SamplerOutput(token_ids, logprobs)
 
@@ -249,18 +256,3 @@ class Sampler:
                 generator.manual_seed(seed)
             cache[device] = generator
         return cache[device]
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, token_ids: list[int], rows: list[int],
-                  params: list[SamplingParams]) -> list[TokenLogprob]:
-        """The sampled token's raw logprob and the top-n raw logprobs (best first) for each of `rows`."""
-        index = torch.tensor(rows, device=logits.device)
-        raw = logits[index].log_softmax(dim=-1)                                            # (L, V)
-        chosen = torch.tensor([token_ids[i] for i in rows], device=logits.device)
-        chosen_logprob = raw.gather(-1, chosen[:, None]).squeeze(-1).tolist()
-        top_n = min(max(params[i].logprobs or 0 for i in rows), raw.shape[1])
-        top_values, top_ids = raw.topk(top_n, dim=-1)                                      # (L, n), best first
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        return [TokenLogprob(token_ids[i], chosen_logprob[j],
-                             list(zip(top_ids[j][:params[i].logprobs], top_values[j][:params[i].logprobs])))
-                for j, i in enumerate(rows)]

@@ -1,7 +1,8 @@
 """The request bodies of the OpenAI-compatible API (pydantic), with the checks a body can make alone.
 
 Parameters the OpenAI API defines but kvstrata does not implement are refused with 400, never
-silently ignored (see UNSUPPORTED); unknown fields are refused too.
+silently ignored (see UNSUPPORTED). Fields nobody defines are accepted and ignored, with one log line
+naming them (vLLM's behaviour: clients add fields of their own).
 """
 
 from __future__ import annotations
@@ -19,22 +20,37 @@ COMPLETION_MAX_TOKENS = 16      # /v1/completions without max_tokens, as OpenAI 
 
 # Defined by the OpenAI API, not implemented here: a request that sets one to a non-default value gets 400.
 UNSUPPORTED = {
-    "echo": False, "suffix": None, "logit_bias": None,
+    "suffix": None,
     "functions": None, "function_call": None, "audio": None, "modalities": None, "prediction": None,
     "web_search_options": None, "reasoning_effort": None, "service_tier": None, "store": None,
     "metadata": None,
 }
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OpenAIModel(BaseModel):
+    """A request body: fields it does not define are kept aside (`ignored_fields`), not refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """Names of the fields sent that this body does not define, nested bodies' included."""
+        names = [prefix + name for name in (self.model_extra or {})]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            for index, item in enumerate(value if isinstance(value, list) else [value]):
+                if isinstance(item, OpenAIModel):
+                    where = f"{name}[{index}]." if isinstance(value, list) else f"{name}."
+                    names += item.ignored_fields(prefix + where)
+        return names
+
+
+class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingBody(BaseModel):
+class SamplingBody(OpenAIModel):
     """Fields shared by chat and completions (OpenAI names, plus vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -61,10 +77,18 @@ class SamplingBody(BaseModel):
     user: str | None = None                           # accepted; kvstrata keeps no per-user state
     n: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)          # None: 1
     best_of: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)    # sampled; the n best return
+    echo: bool = False                                # the prompt (its logprobs too) before the completion
+    logit_bias: dict[str, float] | None = None        # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None        # extension (vLLM)
+    bad_words: list[str] | None = None                # extension (vLLM)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)     # extension (vLLM)
+    include_stop_str_in_output: bool = False          # extension (vLLM)
+    skip_special_tokens: bool = True                  # extension (vLLM)
+    spaces_between_special_tokens: bool = True        # extension (vLLM)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)     # extension (vLLM): keep the last N
+    return_tokens_as_token_ids: bool = False          # extension (vLLM): logprob tokens as "token_id:N"
     # Defined by OpenAI, refused unless default (see UNSUPPORTED).
-    echo: bool | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -98,25 +122,33 @@ class SamplingBody(BaseModel):
         return spec_from_request(self.response_format, self.structured_outputs, guided)
 
     def sampling(self, max_tokens: int | None, logprobs: int | None,
-                 structured: GrammarSpec | None = None) -> SamplingParams:
+                 structured: GrammarSpec | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """max_tokens None: up to the context length, resolved once the prompt is tokenized. The grammar
         is compiled here, off the engine thread (the engine finds it cached)."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        try:
+            bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        except ValueError as exc:
+            raise ApiError(400, "logit_bias: keys must be token ids", param="logit_bias") from exc
         params = SamplingParams(
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(stops),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            n=self.n or 1, best_of=self.best_of, structured=structured,
+            n=self.n or 1, best_of=self.best_of, structured=structured, logit_bias=bias or None,
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=tuple(self.bad_words or ()), prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         ).validate()
         if structured is not None:
             compile_grammar(structured)
         return params
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None      # None only for assistant (as OpenAI allows)
     name: str | None = None
@@ -157,25 +189,36 @@ class ChatRequest(SamplingBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template: str | None = None                  # extension (vLLM): this request's own Jinja template
+    chat_template_kwargs: dict[str, Any] | None = None    # extension (vLLM): more template variables
+    add_generation_prompt: bool = True                # extension (vLLM)
+    continue_final_message: bool = False              # extension (vLLM): the reply continues the last message
+
+    @model_validator(mode="after")
+    def _template_options(self) -> ChatRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message continues an assistant message: make it the last one")
+        return self
 
 
 class CompletionRequest(SamplingBody):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)     # 0: score the prompt (with echo), generate nothing
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(OpenAIModel):
     """vLLM's /tokenize: a prompt (encoded as /v1/completions encodes it) or chat messages."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[int]
 

@@ -22,11 +22,13 @@ from kvstrata.entrypoints.openai.protocol import (
     TokenizeRequest,
     chat_messages,
 )
-from kvstrata.entrypoints.openai.serving import check_common, check_model, respond
+from kvstrata.entrypoints.openai.serving import Generation, check_common, check_model, respond
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.structured.tool_calls import ToolPlan
 
 router = APIRouter()
+
+MAX_CHOICES = 256     # prompts times n in one /v1/completions request (each prompt is a request of its own)
 
 
 def _state(request: Request) -> ServerState:
@@ -108,7 +110,7 @@ async def detokenize(request: Request, body: DetokenizeRequest):
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request):
     state = _state(request)
-    check_common(state, body)
+    check_common(state, body, request.url.path)
     messages = chat_messages(body.messages)
     try:
         tools = ToolPlan.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -118,20 +120,24 @@ async def chat(body: ChatRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    prompt = ChatPrompt(tuple(messages), tuple(tools.prompt_tools) if tools else ())
-    return await respond(state, request, body, prompt, max_tokens, logprobs, chat=True, tools=tools)
+    prompt = ChatPrompt(tuple(messages), tuple(tools.prompt_tools) if tools else (), body.chat_template,
+                        tuple((body.chat_template_kwargs or {}).items()), body.add_generation_prompt,
+                        body.continue_final_message)
+    # vLLM's chat echo: the reply is shown after the last message when that one is the assistant's own
+    echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
+    return await respond(state, request, body, Generation([prompt], [echo], max_tokens, logprobs, True, tools))
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = _state(request)
-    check_common(state, body)
+    check_common(state, body, request.url.path)
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, "batched prompts are not supported: send one request per prompt", param="prompt")
-        prompt = prompt[0]
-    if not prompt:
+    prompts = list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    if not prompts or any(not p for p in prompts):
         raise ApiError(400, "prompt must not be empty", param="prompt")
+    if len(prompts) * (body.n or 1) > MAX_CHOICES:
+        raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts times n)", param="prompt")
+    echoes = [(p if isinstance(p, str) else state.prompts.decode(p)) if body.echo else "" for p in prompts]
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    return await respond(state, request, body, prompt, max_tokens, body.logprobs, chat=False)
+    return await respond(state, request, body, Generation(prompts, echoes, max_tokens, body.logprobs, False))

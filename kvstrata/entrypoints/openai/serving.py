@@ -1,25 +1,43 @@
-"""Serving a completion: the checks common to chat and completions, the request sent to the engine,
-and its outputs gathered into one response or streamed as server-sent events."""
+"""Serving a completion: the checks common to chat and completions, the requests sent to the engine
+(one per prompt: `/v1/completions` takes several), and their outputs gathered into one response or
+streamed as server-sent events."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from kvstrata.core.outputs import RequestOutput
-from kvstrata.core.sampling_params import GrammarSpec
+from kvstrata.core.sampling_params import GrammarSpec, SamplingParams
 from kvstrata.engine.prompts import Prompt
+from kvstrata.entrypoints.openai.completion_output import Job, OutputShape, full_response, sse
 from kvstrata.entrypoints.openai.errors import STEP_FAILED, ApiError
 from kvstrata.entrypoints.openai.protocol import SamplingBody
-from kvstrata.entrypoints.openai.completion_output import full_response, sse
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.entrypoints.openai.tracker import RequestTracker
 from kvstrata.structured.tool_calls import ToolPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one HTTP request asks the engine for: its prompts (each with the text `echo` shows
+    before its completions), the token limit and logprobs, and the response's kind."""
+
+    prompts: Sequence[Prompt]
+    echoes: Sequence[str]
+    max_tokens: int | None        # 0: score the prompt, show no completion
+    logprobs: int | None
+    chat: bool
+    tools: ToolPlan | None = None
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -28,9 +46,12 @@ def check_model(state: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def check_common(state: ServerState, body: SamplingBody) -> None:
+def check_common(state: ServerState, body: SamplingBody, path: str) -> None:
     check_model(state, body.model)
     body.refuse_unsupported()
+    ignored = body.ignored_fields()
+    if ignored:
+        logger.warning("%s: ignoring fields kvstrata does not know: %s", path, ", ".join(ignored))
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if body.stream and (body.best_of or 1) > (body.n or 1):
@@ -41,45 +62,112 @@ def check_common(state: ServerState, body: SamplingBody) -> None:
                        code="server_overloaded")
 
 
-async def respond(state: ServerState, request: Request, body: SamplingBody, prompt: Prompt,
-                   max_tokens: int | None, logprobs: int | None, chat: bool, tools: ToolPlan | None = None):
-    kind = "chat.completion" if chat else "text_completion"
+async def respond(state: ServerState, request: Request, body: SamplingBody, generation: Generation):
+    chat = generation.chat
+    params = _sampling(body, generation)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    arrival = time.monotonic()
+    jobs = []
+    for index, (prompt, echo) in enumerate(zip(generation.prompts, generation.echoes)):
+        engine_id = request_id if len(generation.prompts) == 1 else f"{request_id}-{index}"
+        jobs.append(Job(index, echo, RequestTracker(state, arrival, engine_id, params.num_samples),
+                        state.engine.generate(prompt, params, engine_id, body.priority)))
+    await _first_outputs(jobs, chat, body)
+    shape = OutputShape(chat, params.n, generation.tools, generation.max_tokens == 0, body.return_tokens_as_token_ids,
+                        echo_logprobs=body.echo and generation.logprobs is not None and not chat,
+                        prompt_logprobs=body.prompt_logprobs is not None)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream:
+        return StreamingResponse(sse(state, jobs, _merged(jobs), request_id, shape, include_usage),
+                                 media_type="text/event-stream")
+    outputs = {job.index: [job.first] for job in jobs}
     try:
-        params = body.sampling(max_tokens, logprobs, _constraint(body, tools))
+        async for job, out in _until_disconnected(request, _merged(jobs)):
+            outputs[job.index].append(out)
+    finally:
+        for job in jobs:
+            job.tracker.done()
+    if any(out.finish_reason == "error" for outs in outputs.values() for out in outs):
+        raise ApiError(500, STEP_FAILED, code="engine_step_failed")
+    samples = [[[out for out in outputs[job.index] if out.index == sample] for sample in range(params.num_samples)]
+               for job in jobs]
+    return full_response(state, jobs, samples, request_id, shape, jobs[0].tracker.arrival_wall)
+
+
+def _sampling(body: SamplingBody, generation: Generation) -> SamplingParams:
+    """The engine's parameters: max_tokens 0 runs one token for the prompt's sake (not shown); echo with
+    logprobs on a completion scores the prompt as well."""
+    max_tokens = 1 if generation.max_tokens == 0 else generation.max_tokens
+    scored = [k for k in (body.prompt_logprobs, generation.logprobs if body.echo and not generation.chat else None)
+              if k is not None]
+    try:
+        return body.sampling(max_tokens, generation.logprobs, _constraint(body, generation.tools),
+                             prompt_logprobs=max(scored) if scored else None)
     except ValueError as exc:        # a schema the grammar library rejects too: nothing is queued
         param = getattr(exc, "param", None) or ("best_of" if "best_of" in str(exc) else None)
         raise ApiError(400, str(exc), param=param) from exc
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    tracker = RequestTracker(state, time.monotonic(), request_id, params.num_samples)
-    stream = state.engine.generate(prompt, params, request_id, body.priority)
+
+
+async def _first_outputs(jobs: list[Job], chat: bool, body: SamplingBody) -> None:
+    """Queue every prompt at once (shared prefixes are then computed once) and wait for each one's first
+    output; if the engine refuses any, let go of all of them and answer 400."""
+    firsts = await asyncio.gather(*(anext(job.stream) for job in jobs), return_exceptions=True)
+    refused = next((first for first in firsts if isinstance(first, BaseException)), None)
+    if refused is None:
+        for job, first in zip(jobs, firsts):
+            job.first = first
+            job.tracker.seen(first)
+        return
+    for job in jobs:
+        await job.stream.aclose()
+    if not isinstance(refused, ValueError):
+        raise refused
+    param = getattr(refused, "param", "prompt")
+    if param == "max_tokens" and chat and getattr(body, "max_completion_tokens", None) is not None:
+        param = "max_completion_tokens"
+    elif param == "prompt" and chat:
+        param = "messages"
+    raise ApiError(400, str(refused), param=param) from refused
+
+
+async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[Job, RequestOutput]]:
+    """The outputs after each job's first, as they come, tagged with their job; closing this closes every
+    job's stream (which aborts what is still running)."""
+    if len(jobs) == 1:
+        job = jobs[0]
+        try:
+            if not job.tracker.finished:
+                async for out in job.stream:
+                    job.tracker.seen(out)
+                    yield job, out
+        finally:
+            await job.stream.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            if not job.tracker.finished:
+                async for out in job.stream:
+                    await queue.put((job, out))
+        finally:
+            await job.stream.aclose()
+            await queue.put((job, None))
+
+    tasks = [asyncio.create_task(pump(job)) for job in jobs]
     try:
-        first = await anext(stream)
-    except ValueError as exc:        # refused by the engine (too long, bad template input): nothing queued
-        param = getattr(exc, "param", "prompt")
-        if param == "max_tokens" and chat and body.max_completion_tokens is not None:
-            param = "max_completion_tokens"
-        elif param == "prompt" and chat:
-            param = "messages"
-        raise ApiError(400, str(exc), param=param) from exc
-    tracker.seen(first)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if body.stream:
-        return StreamingResponse(sse(state, tracker, first, stream, request_id, chat, include_usage, params.n,
-                                      tools),
-                                 media_type="text/event-stream")
-    outputs = [first]
-    try:
-        if not tracker.finished:
-            async for out in _until_disconnected(request, stream):
-                tracker.seen(out)
-                outputs.append(out)
+        live = len(jobs)
+        while live:
+            job, out = await queue.get()
+            if out is None:
+                live -= 1
+                continue
+            job.tracker.seen(out)
+            yield job, out
     finally:
-        tracker.done()
-    if any(out.finish_reason == "error" for out in outputs):
-        raise ApiError(500, STEP_FAILED, code="engine_step_failed")
-    samples = [[out for out in outputs if out.index == index] for index in range(params.num_samples)]
-    samples = [outputs for outputs in samples if outputs]         # all, unless the client left early
-    return full_response(state, samples, params.n, request_id, kind, chat, tracker.arrival_wall, tools)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _constraint(body: SamplingBody, tools: ToolPlan | None) -> GrammarSpec | None:
@@ -92,18 +180,21 @@ def _constraint(body: SamplingBody, tools: ToolPlan | None) -> GrammarSpec | Non
     return asked or forced
 
 
-async def _until_disconnected(request: Request, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    """Iterate `stream`, but stop (and so abort the request) if the client goes away meanwhile."""
+async def _until_disconnected(request: Request, stream: AsyncIterator) -> AsyncIterator:
+    """Iterate `stream`, but stop (and so abort the requests) if the client goes away meanwhile."""
     iterator = stream.__aiter__()
-    while True:
-        step = asyncio.ensure_future(anext(iterator))
-        while not step.done():
-            done, _ = await asyncio.wait({step}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                step.cancel()
-                await iterator.aclose()
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(iterator))
+            while not step.done():
+                done, _ = await asyncio.wait({step}, timeout=0.5)
+                if not done and await request.is_disconnected():
+                    step.cancel()
+                    await asyncio.wait({step})         # let it unwind before the stream is closed
+                    return
+            try:
+                yield step.result()
+            except StopAsyncIteration:
                 return
-        try:
-            yield step.result()
-        except StopAsyncIteration:
-            return
+    finally:
+        await iterator.aclose()

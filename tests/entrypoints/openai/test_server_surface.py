@@ -107,7 +107,7 @@ def test_metrics_vllm_dashboards_use(server):
     refusals = [post(base, "/v1/completions", {"prompt": "hi", "model": "nope"}),      # unknown model
                 post(base, "/v1/completions", {"prompt": "hi", "max_tokens": -1}),     # validation
                 post(base, "/v1/completions", {"prompt": "word " * 9000}),             # too long
-                post(base, "/v1/completions", {"prompt": "hi", "echo": True})]         # unsupported
+                post(base, "/v1/completions", {"prompt": "hi", "suffix": "x"})]       # unsupported
     assert [r.status_code for r in refusals] == [404, 400, 400, 400]
     after = scrape(base)
     assert after[rejected] - before.get(rejected, 0) == len(refusals)
@@ -130,10 +130,10 @@ def test_one_log_line_per_request(server, caplog):
     base, _ = server
     with caplog.at_level(logging.INFO, logger="kvstrata.entrypoints.openai.requests"):
         response = post(base, "/v1/completions", {"prompt": "Say hi", "max_tokens": 3, "ignore_eos": True})
-        post(base, "/v1/completions", {"prompt": "hi", "wat": 1})
+        post(base, "/v1/completions", {"prompt": "hi", "suffix": "x"})
     request_id = response.json()["id"]
     lines = [r.getMessage() for r in caplog.records if r.name == "kvstrata.entrypoints.openai.requests"]
     mine = [line for line in lines if request_id in line]
     assert len(mine) == 1 and "3 output tokens" in mine[0] and "(0 cached)" in mine[0] and "ttft" in mine[0]
     assert "finish length" in mine[0]
-    assert any("rejected (400, param wat)" in line for line in lines)
+    assert any("rejected (400, param suffix)" in line for line in lines)
