@@ -3,8 +3,9 @@
     python -m kvstrata.entrypoints.cli.reference           rewrite them (`make docs`)
     python -m kvstrata.entrypoints.cli.reference --check   exit 1 if either is stale
 
-The serving API's tables come from the routes (kvstrata.entrypoints.openai.routes) and the request
-models (kvstrata.entrypoints.openai.protocol; a field in `UNSUPPORTED` is refused); the configuration
+The serving API's tables come from the routes (kvstrata.entrypoints.openai.routes and .responses.routes)
+and the request models (kvstrata.entrypoints.openai.protocol and .responses.protocol; a field in either's
+`UNSUPPORTED` is refused); the configuration
 from the argparse parser of every command (`build_parser`), so neither can drift from the code.
 What a field or an endpoint does is written here, once: rendering fails on one without it.
 Each generated part sits between `<!-- reference:NAME:begin -->` and `<!-- reference:NAME:end -->`;
@@ -26,12 +27,20 @@ from pydantic import BaseModel
 from kvstrata.core.config import format_size, parse_size
 from kvstrata.entrypoints.cli.main import build_parser
 from kvstrata.entrypoints.openai import protocol
+from kvstrata.entrypoints.openai.responses import protocol as responses_protocol
+from kvstrata.entrypoints.openai.responses.routes import responses_router
+from kvstrata.entrypoints.openai.responses.store import MAX_STORED_RESPONSES
 from kvstrata.entrypoints.openai.routes import router
 
 BODIES: tuple[type[BaseModel], ...] = (protocol.SamplingBody, protocol.ChatRequest, protocol.CompletionRequest,
                                        protocol.ChatMessage, protocol.StreamOptions, protocol.TokenizeRequest,
-                                       protocol.DetokenizeRequest)
+                                       protocol.DetokenizeRequest, responses_protocol.ResponsesRequest,
+                                       responses_protocol.ResponsesStreamOptions)
+# The fields each body refuses unless left at null or the value given.
+REFUSED: dict[type[BaseModel], dict[str, Any]] = {protocol.SamplingBody: protocol.UNSUPPORTED,
+                                                  responses_protocol.ResponsesRequest: responses_protocol.UNSUPPORTED}
 
+# What each endpoint does, by path, or by "METHOD path" where a path serves several methods.
 ENDPOINTS: dict[str, str] = {
     "/v1/chat/completions": "a chat reply (streamed with `stream: true`)",
     "/v1/completions": "a text completion of a prompt (streamed with `stream: true`)",
@@ -44,6 +53,11 @@ ENDPOINTS: dict[str, str] = {
     "/metrics": "Prometheus metrics (see below)",
     "/v1/kv_events": "for `kvstrata router`: block hashes stored and removed per tier after `since`, or a "
                      "snapshot, and the engine's load; waits up to `timeout` seconds (at most 30)",
+    "/v1/responses": "OpenAI's Responses API: a reply to `input`, after the stored conversation of "
+                     "`previous_response_id` (streamed as events with `stream: true`)",
+    "GET /v1/responses/{response_id}": "a stored response, whole (`stream=true`, its events again, is 400); 404 "
+                                       "when none is stored",
+    "DELETE /v1/responses/{response_id}": "forget a stored response; 404 when none is stored",
 }
 
 # What each field does, by `Model.field` where the name means different things in two bodies, else by name.
@@ -112,9 +126,49 @@ FIELDS: dict[str, str] = {
     "add_special_tokens": "with `prompt`: add the tokenizer's special tokens",
     "tokens": "token ids, each within the vocabulary",
 }
+# The Responses API's request (kvstrata.entrypoints.openai.responses.protocol), where its names mean
+# other things than chat's.
+FIELDS.update({
+    "ResponsesRequest.input": 'the new turn: a string (a user message), or items: messages `{"role", "content"}` '
+                              '(`"type": "message"` optional; content text or `input_text` / `output_text` parts), '
+                              '`{"type": "function_call", "call_id", "name", "arguments"}` and '
+                              '`{"type": "function_call_output", "call_id", "output"}`',
+    "ResponsesRequest.instructions": "a system message before the conversation; not carried to the next turn",
+    "ResponsesRequest.previous_response_id": "a stored response: its conversation (input and output, not its "
+                                             "instructions) comes before `input`; 404 when not stored",
+    "ResponsesRequest.store": "keep the response for `previous_response_id` and GET (the last "
+                              f"{MAX_STORED_RESPONSES}, in memory)",
+    "ResponsesRequest.stream": "server-sent events, `event: <type>` and `data` with a `sequence_number`",
+    "ResponsesRequest.stream_options": "`include_obfuscation` (below); only with `stream: true`",
+    "ResponsesRequest.max_output_tokens": "most tokens to generate; without it, until the model stops or the "
+                                          "context ends; cut short, the response is `incomplete`",
+    "ResponsesRequest.temperature": "0 is greedy; null is 1",
+    "ResponsesRequest.top_p": "keep the smallest set of tokens whose probabilities reach `top_p`; null is 1",
+    "ResponsesRequest.tools": '`{"type": "function", "name", "description", "parameters", "strict"}` each; '
+                              "no other kind of tool",
+    "ResponsesRequest.tool_choice": '`"auto"` (default), `"none"`, `"required"` or `{"type": "function", "name"}`, '
+                                    "as chat's",
+    "ResponsesRequest.parallel_tool_calls": "false: at most one call per reply",
+    "ResponsesRequest.text": '`{"format": {"type": "text"}}`, `{"format": {"type": "json_object"}}` or '
+                             '`{"format": {"type": "json_schema", "name", "schema", "strict"}}` (enforced whatever '
+                             '`strict` says)',
+    "ResponsesRequest.metadata": "at most 16 string pairs, returned with the response",
+    "ResponsesRequest.safety_identifier": "accepted; kvstrata keeps no per-user state",
+    "ResponsesRequest.prompt_cache_key": "accepted; the prefix cache finds shared prefixes without a key",
+    "ResponsesRequest.reasoning": "OpenAI: a reasoning model's effort and summary",
+    "ResponsesRequest.background": "OpenAI: compute the response after the request returns",
+    "ResponsesRequest.include": "OpenAI: extra outputs (logprobs, reasoning, tool results)",
+    "ResponsesRequest.max_tool_calls": "OpenAI: most built-in tool calls",
+    "ResponsesRequest.top_logprobs": "OpenAI: alternatives per output token",
+    "ResponsesRequest.service_tier": "OpenAI: its processing tier",
+    "ResponsesRequest.conversation": "OpenAI: a stored conversation object",
+    "ResponsesRequest.prompt": "OpenAI: a stored prompt template",
+    "ResponsesRequest.truncation": "OpenAI: drop the conversation's oldest items to fit the context",
+    "include_obfuscation": "accepted; kvstrata pads no deltas",
+})
 EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority",
               "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
-UNUSED = {"user", "ChatMessage.name"}
+UNUSED = {"user", "ChatMessage.name", "safety_identifier", "prompt_cache_key", "include_obfuscation"}
 
 BEGIN, END = "<!-- reference:{}:begin -->", "<!-- reference:{}:end -->"
 
@@ -167,8 +221,9 @@ def _describe(model: type[BaseModel], name: str) -> str:
 
 
 def _status(model: type[BaseModel], name: str) -> str:
-    if model is protocol.SamplingBody and name in protocol.UNSUPPORTED:
-        return f"refused (400) unless `{json.dumps(protocol.UNSUPPORTED[name])}`"
+    refused = REFUSED.get(model, {})
+    if name in refused:
+        return f"refused (400) unless `{json.dumps(refused[name])}`"
     if name in UNUSED or f"{model.__name__}.{name}" in UNUSED:
         return "accepted, unused"
     return "supported (vLLM)" if name in EXTENSIONS else "supported"
@@ -189,13 +244,14 @@ def body_table(model: type[BaseModel]) -> list[str]:
 
 def render_serving_api() -> dict[str, str]:
     endpoints = []
-    for route in router.routes:
+    for route in [*router.routes, *responses_router().routes]:
         body = next((p.field_info.annotation.__name__ for p in route.dependant.body_params), "")
         query = ", ".join(f"`{q.name}`" for q in route.dependant.query_params)
-        if route.path not in ENDPOINTS:
+        methods = " ".join(sorted(route.methods))
+        what = ENDPOINTS.get(f"{methods} {route.path}", ENDPOINTS.get(route.path))
+        if what is None:
             raise KeyError(f"{route.path} has no entry in kvstrata.entrypoints.cli.reference.ENDPOINTS")
-        endpoints.append((" ".join(sorted(route.methods)), f"`{route.path}`", body and f"[{body}](#{body.lower()})",
-                          query, ENDPOINTS[route.path]))
+        endpoints.append((methods, f"`{route.path}`", body and f"[{body}](#{body.lower()})", query, what))
     bodies = []
     for model in BODIES:
         base = next((b.__name__ for b in model.__bases__ if b is not BaseModel), None)

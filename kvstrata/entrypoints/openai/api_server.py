@@ -20,13 +20,14 @@ from kvstrata import __version__
 from kvstrata.engine.async_engine import AsyncLLMEngine
 from kvstrata.entrypoints.openai.errors import ApiError, error_response, validation_message
 from kvstrata.entrypoints.openai.metrics import ServerMetrics
+from kvstrata.entrypoints.openai.responses.routes import responses_router
 from kvstrata.entrypoints.openai.routes import router
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.entrypoints.openai.tracker import request_log
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
@@ -54,6 +55,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     app.include_router(router)
+    app.include_router(responses_router())
     return app
 
 
