@@ -36,10 +36,10 @@ def test_a_changed_help_string_makes_the_configuration_stale():
 
 def test_a_refused_field_is_read_from_unsupported(monkeypatch):
     text = (DOCS / "serving-api.md").read_text()
-    assert "| `echo` | boolean | `null` | refused (400) unless `false` |" in text
-    monkeypatch.delitem(protocol.UNSUPPORTED, "echo")
+    assert "| `suffix` | string | `null` | refused (400) unless `null` |" in text
+    monkeypatch.delitem(protocol.UNSUPPORTED, "suffix")
     changed = reference.update(text, reference.render_serving_api())
-    assert "| `echo` | boolean | `null` | supported |" in changed
+    assert "| `suffix` | string | `null` | supported |" in changed
 
 
 def test_a_field_or_an_endpoint_without_a_description_fails_to_render(monkeypatch):

@@ -92,9 +92,27 @@ FIELDS: dict[str, str] = {
     "user": "accepted; kvstrata keeps no per-user state",
     "n": "samples returned; they share one prefill and the prompt's KV blocks",
     "best_of": "samples drawn; the `n` of highest cumulative logprob return, best first; not with `stream`",
-    "echo": "OpenAI: return the prompt with the completion",
+    "echo": "completions: the prompt before each completion, and with `logprobs` the prompt's logprobs "
+            "first (the first token's null); chat: the reply after the last message when that one is the "
+            "assistant's",
     "suffix": "OpenAI: text after the completion (insertion)",
-    "logit_bias": "OpenAI: per-token logit offsets",
+    "logit_bias": "token id (a string) -> bias in [-100, 100] added to its logit; -100 bans it; logprobs "
+                  "stay the model's raw ones",
+    "allowed_token_ids": "vLLM's: only these tokens may be sampled",
+    "bad_words": "vLLM's: words never completed, alone or after a space, whichever way they tokenize",
+    "prompt_logprobs": "vLLM's: each prompt token's logprob with this many alternatives, "
+                       "`{token id: {logprob, rank, decoded_token}}` per token (the first null); such a "
+                       "request computes its whole prompt (no prefix-cache hit)",
+    "include_stop_str_in_output": "vLLM's: the stop string ends the text instead of being cut",
+    "skip_special_tokens": "vLLM's: false keeps special tokens in the text",
+    "spaces_between_special_tokens": "vLLM's: accepted (this model's fast tokenizer places no spaces either way)",
+    "truncate_prompt_tokens": "vLLM's: keep only the prompt's last N tokens",
+    "return_tokens_as_token_ids": "vLLM's: logprob tokens as `token_id:N`, for tokens that are not valid text",
+    "chat_template": "vLLM's: a Jinja chat template for this request instead of the model's",
+    "chat_template_kwargs": "vLLM's: more variables for the chat template",
+    "add_generation_prompt": "vLLM's: false leaves the assistant's turn unopened",
+    "continue_final_message": "vLLM's: the reply continues the last (assistant) message; needs "
+                              "`add_generation_prompt: false`",
     "functions": "OpenAI's deprecated `tools`",
     "function_call": "OpenAI's deprecated `tool_choice`",
     "audio": "OpenAI: audio output",
@@ -113,7 +131,10 @@ FIELDS: dict[str, str] = {
     "tool_choice": '`"auto"` (default), `"none"` (tools left out of the prompt), `"required"` or '
                    '`{"type": "function", "function": {"name"}}` (the reply held to the tools\' schemas)',
     "parallel_tool_calls": "false: at most one call per reply",
-    "CompletionRequest.prompt": "a string, token ids, or a one-element list of either",
+    "CompletionRequest.prompt": "a string, token ids, or a list of several of either: one choice per prompt "
+                                "(times `n`), `index` in order, all queued at once",
+    "CompletionRequest.max_tokens": "most tokens to generate (default 16); 0 scores the prompt and generates "
+                                    "nothing (with `echo` and `logprobs`, as evaluation harnesses ask)",
     "CompletionRequest.logprobs": "each token's logprob and this many alternatives",
     "role": "`developer` is read as `system`",
     "content": 'text, or `{"type": "text", "text"}` parts; null only for an assistant',
@@ -254,7 +275,7 @@ def render_serving_api() -> dict[str, str]:
         endpoints.append((methods, f"`{route.path}`", body and f"[{body}](#{body.lower()})", query, what))
     bodies = []
     for model in BODIES:
-        base = next((b.__name__ for b in model.__bases__ if b is not BaseModel), None)
+        base = next((b.__name__ for b in model.__bases__ if getattr(b, "model_fields", None)), None)
         bodies += [f"### {model.__name__}", ""]
         if base:
             bodies += [f"Every field of [{base}](#{base.lower()}), and:", ""]

@@ -19,7 +19,7 @@ from kvstrata.core.sampling_params import GrammarSpec, SamplingParams
 from kvstrata.engine.prompts import Prompt
 from kvstrata.entrypoints.openai.completion_output import Job, OutputShape, full_response, sse
 from kvstrata.entrypoints.openai.errors import STEP_FAILED, ApiError
-from kvstrata.entrypoints.openai.protocol import SamplingBody
+from kvstrata.entrypoints.openai.protocol import OpenAIModel, SamplingBody
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.entrypoints.openai.tracker import RequestTracker
 from kvstrata.structured.tool_calls import ToolPlan
@@ -46,12 +46,17 @@ def check_model(state: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def check_common(state: ServerState, body: SamplingBody, path: str) -> None:
-    check_model(state, body.model)
-    body.refuse_unsupported()
+def log_ignored(body: OpenAIModel, path: str) -> None:
+    """One line naming the fields of `body` nobody defines (accepted, as vLLM accepts them, and unused)."""
     ignored = body.ignored_fields()
     if ignored:
         logger.warning("%s: ignoring fields kvstrata does not know: %s", path, ", ".join(ignored))
+
+
+def check_common(state: ServerState, body: SamplingBody, path: str) -> None:
+    check_model(state, body.model)
+    body.refuse_unsupported()
+    log_ignored(body, path)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if body.stream and (body.best_of or 1) > (body.n or 1):
@@ -82,7 +87,7 @@ async def respond(state: ServerState, request: Request, body: SamplingBody, gene
                                  media_type="text/event-stream")
     outputs = {job.index: [job.first] for job in jobs}
     try:
-        async for job, out in _until_disconnected(request, _merged(jobs)):
+        async for job, out in until_disconnected(request, _merged(jobs)):
             outputs[job.index].append(out)
     finally:
         for job in jobs:
@@ -180,7 +185,7 @@ def _constraint(body: SamplingBody, tools: ToolPlan | None) -> GrammarSpec | Non
     return asked or forced
 
 
-async def _until_disconnected(request: Request, stream: AsyncIterator) -> AsyncIterator:
+async def until_disconnected(request: Request, stream: AsyncIterator) -> AsyncIterator:
     """Iterate `stream`, but stop (and so abort the requests) if the client goes away meanwhile."""
     iterator = stream.__aiter__()
     try:

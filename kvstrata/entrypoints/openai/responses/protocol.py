@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from kvstrata.core.errors import RequestRejected
 from kvstrata.core.sampling_params import GrammarSpec, SamplingParams
 from kvstrata.entrypoints.openai.errors import ApiError
+from kvstrata.entrypoints.openai.protocol import OpenAIModel
 from kvstrata.structured.grammar import compile_grammar
 from kvstrata.structured.tool_calls import ToolPlan
 
@@ -35,15 +36,14 @@ _WHY = {
 }
 
 
-class ResponsesStreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponsesStreamOptions(OpenAIModel):
     include_obfuscation: bool = True
 
 
-class ResponsesRequest(BaseModel):
-    """POST /v1/responses. `input` items are read by kvstrata.entrypoints.openai.responses.conversation."""
+class ResponsesRequest(OpenAIModel):
+    """POST /v1/responses. `input` items are read by kvstrata.entrypoints.openai.responses.conversation.
+    Fields nobody defines are ignored with a log line, as on chat."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

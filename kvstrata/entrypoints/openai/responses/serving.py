@@ -4,7 +4,7 @@ the finished response stored.
 
 Built from chat's pieces: the request goes through `AsyncLLMEngine.generate` as a ChatPrompt, its
 latency and request-log line through RequestTracker, a client that leaves aborts it (serving's
-`_until_disconnected`, and a cancelled event stream); only the shapes of the body and events differ.
+`until_disconnected`, and a cancelled event stream); only the shapes of the body and events differ.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvstrata.entrypoints.openai.responses.events import ResponseEvents
 from kvstrata.entrypoints.openai.responses.output import new_id, output_items, response_body, status_of
 from kvstrata.entrypoints.openai.responses.protocol import ResponsesRequest
 from kvstrata.entrypoints.openai.responses.store import ResponseStore, StoredResponse
-from kvstrata.entrypoints.openai.serving import _until_disconnected, check_model
+from kvstrata.entrypoints.openai.serving import check_model, log_ignored, until_disconnected
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.entrypoints.openai.tracker import RequestTracker
 from kvstrata.structured.tool_calls import ToolPlan
@@ -39,6 +39,7 @@ async def create_response(state: ServerState, store: ResponseStore, request: Req
     """The Response, or its events; ApiError, with nothing queued, for a request that cannot run."""
     check_model(state, body.model)
     body.refuse_unsupported()
+    log_ignored(body, request.url.path)
     history = _history(store, body.previous_response_id)
     conversation = [*history, *chat_messages(body.input)]
     tools = body.tool_plan()
@@ -63,7 +64,7 @@ async def create_response(state: ServerState, store: ResponseStore, request: Req
     outputs = [first]
     try:
         if not tracker.finished:
-            async for out in _until_disconnected(request, stream):
+            async for out in until_disconnected(request, stream):
                 tracker.seen(out)
                 outputs.append(out)
     finally:
