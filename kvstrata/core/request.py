@@ -93,6 +93,12 @@ class Request:
         return self.status.is_finished
 
     @property
+    def constrains_tokens(self) -> bool:
+        """Whether a logits processor (bias, allowed ids, bad words) applies before sampling."""
+        params = self.sampling
+        return bool(params.logit_bias) or params.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Every prompt position's logits are needed, so no prompt block may come from a cache (vLLM's rule)."""
         return self.sampling.prompt_logprobs is not None

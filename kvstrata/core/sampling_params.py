@@ -93,11 +93,6 @@ class SamplingParams:
         """Temperatures below 1e-5 scale logits past float32 range, so they count as greedy too."""
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
-    @property
-    def constrains_tokens(self) -> bool:
-        """Whether a logits processor (bias, allowed ids, bad words) applies before sampling."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
-
     def validate(self) -> SamplingParams:
         _require(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                  f"max_tokens must be a positive integer, not {self.max_tokens!r}")

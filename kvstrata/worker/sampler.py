@@ -198,7 +198,7 @@ class Sampler:
         processed = logits
         if any(_needs_penalties(r, self.eos_token_ids) for r in requests):
             processed = apply_penalties(logits, requests, self.eos_token_ids)
-        if any(r.sampling.constrains_tokens for r in requests):
+        if any(r.constrains_tokens for r in requests):
             processed = apply_token_constraints(processed if processed is not logits else logits.clone(), requests)
         if self.grammars is not None:       # after penalties, before the greedy/random split; raw logprobs stay
             processed = self.grammars.mask(processed, requests, in_place=processed is not logits)

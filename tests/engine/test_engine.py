@@ -260,3 +260,25 @@ def test_batch_invariant_bf16_logits_are_the_same_bits_alone_batched_and_chunked
     run_step(loaded.model, kv, [(seq, len(seq.tokens)) for seq in batched])
     decode(kv, batched)
     assert [torch.equal(a, torch.stack(b.logits[-steps - 1:])) for a, b in zip(alone, batched)] == [True] * 8
+
+
+def test_generate_takes_token_id_prompts_and_scores_them(make_engine, smollm2):
+    """vLLM's offline API: token-id prompts in a list, prompt_logprobs (the first None), constraints."""
+    engine = make_engine(host_cache_memory="16MiB")
+    prompts = [engine.prompts.encode(p) for p in ("The capital of France is", "One, two, three,")]
+    plain = engine.generate(prompts, GREEDY)
+    scored = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                     prompt_logprobs=1, logprobs=0))
+    for ids, out, again in zip(prompts, plain, scored):
+        assert again.new_token_ids == out.new_token_ids and again.prompt_token_ids == ids
+        assert again.prompt_logprobs[0] is None and len(again.prompt_logprobs) == len(ids)
+        assert [e.token_id for e in again.prompt_logprobs[1:]] == ids[1:]
+        assert all(e.logprob <= 0 and len(e.top) == 1 for e in again.prompt_logprobs[1:])
+    first = plain[0].new_token_ids[0]
+    steered = engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, logit_bias={first: -100},
+                                                          bad_words=("Paris",)))[0]
+    assert steered.new_token_ids[0] != first and "Paris" not in steered.text
+    allowed = engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=1.0, seed=2, ignore_eos=True,
+                                                          allowed_token_ids=(first, 11, 12)))[0]
+    assert set(allowed.new_token_ids) <= {first, 11, 12}
+    assert engine.tiers.audit()["device"].used == 0

@@ -304,3 +304,28 @@ def test_seeded_draws_follow_softmax_across_seeds() -> None:
     requests = [make_request(SamplingParams(temperature=2.0, seed=seed)) for seed in range(draws)]
     tokens = Sampler((EOS,))(logits.repeat(draws, 1), requests).token_ids
     assert chi_square(tokens, (logits / 2.0).softmax(dim=-1)) < 20.5
+
+
+def test_logit_bias_allowed_ids_and_bad_words_steer_greedy_but_not_logprobs() -> None:
+    logits = logits_from_probs([0.1, 0.5, 0.3, 0.1])
+    sampler = Sampler(eos_token_ids=())
+    assert sampler(logits, [make_request(SamplingParams(temperature=0, logprobs=1))]).token_ids == [1]
+    biased = sampler(logits, [make_request(SamplingParams(temperature=0, logprobs=1, logit_bias={1: -100}))])
+    assert biased.token_ids == [2]
+    assert biased.logprobs[0].top[0][0] == 1 and biased.logprobs[0].rank == 2       # raw: the model still prefers 1
+    assert sampler(logits, [make_request(SamplingParams(temperature=0, logit_bias={3: 5.0}))]).token_ids == [3]
+    only = make_request(SamplingParams(temperature=1.0, seed=4, allowed_token_ids=(0, 3)))
+    assert all(sampler(logits, [only]).token_ids[0] in (0, 3) for _ in range(20))
+    banned = make_request(SamplingParams(temperature=0), output=(2,))
+    banned.bad_words_token_ids = ((1,), (2, 2))         # 1 always; 2 when the output ends with 2
+    assert sampler(logits, [banned]).token_ids == [0]         # 1 and 2 banned: the first of the rest
+    assert sampler(logits, [make_request(SamplingParams(temperature=0))]).token_ids == [1]     # unchanged
+
+
+def test_banned_by_bad_words_matches_the_output_tail() -> None:
+    from kvstrata.worker.logits_processors import banned_by_bad_words
+    words = [(7,), (3, 4, 5), (9, 9)]
+    assert banned_by_bad_words(words, []) == [7]
+    assert banned_by_bad_words(words, [1, 3, 4]) == [7, 5]
+    assert banned_by_bad_words(words, [3, 4, 1]) == [7]
+    assert banned_by_bad_words(words, [9]) == [7, 9]
