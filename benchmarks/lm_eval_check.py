@@ -83,9 +83,12 @@ class Recorder(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
     def record(self, path: str, body: bytes | None, status: int, reply: bytes) -> None:
-        request = json.loads(body) if body else None
+        try:
+            request = json.loads(body) if body else None
+        except ValueError:
+            request = body.decode(errors="replace")
         if path.startswith("/v1/completions"):
-            kind = "loglikelihood" if request and request.get("echo") else "generate"
+            kind = "loglikelihood" if isinstance(request, dict) and request.get("echo") else "generate"
         else:
             kind = "chat" if path.startswith("/v1/chat/completions") else path.strip("/").replace("/", "_")
         with self.lock:
