@@ -194,3 +194,16 @@ def test_unknown_fields_are_accepted_and_named_in_the_log(server, client, caplog
                             extra_body={"suffix": "x"})
     assert refused.value.body["param"] == "suffix"
     at_rest(server)
+
+
+def test_chat_echo_and_constraints_stream_as_they_answer_whole(client):
+    """The streamed reply joins to the whole one, echo and processors included."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "A colour:"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True, "echo": True,
+             "bad_words": ["red"], "logit_bias": {"29": -100}, "ignore_eos": True}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=extra).choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                            extra_body=extra, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == whole and whole.startswith("A colour:") and "red" not in whole[len("A colour:"):]
