@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvstrata.core.timeline import RequestTimeline
+
 
 @dataclass
 class TokenLogprob:
@@ -34,6 +36,7 @@ class RequestOutput:
     # prompt token's logprob (the first is None: nothing predicts it).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    timeline: RequestTimeline | None = None      # on the last output: where the request's time went
 
 
 def best_samples(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:

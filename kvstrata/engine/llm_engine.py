@@ -28,9 +28,11 @@ from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.outputs import RequestOutput, TokenLogprob, best_samples
 from kvstrata.core.request import Request, RequestStatus, SampleFamily
 from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.core.timeline import RequestTimeline
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.prompts import Prompt, PromptEncoder
 from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot, EngineStats, RequestCounts, copied
+from kvstrata.engine.timelines import TimelineRecorder
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.stores import open_store
 from kvstrata.kvcache.tiers import TierManager
@@ -57,6 +59,7 @@ class _Tracked:
     family_id: str                     # the id the caller knows (a family's samples share it)
     show_logprobs: bool                # the caller asked (best_of also scores the samples that did not)
     prompt_logprobs: list[TokenLogprob | None] | None = None   # shared by a family's samples; [0] is None
+    timeline: RequestTimeline | None = None     # where its time went (kvstrata.core.timeline)
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     reported: bool = False             # an output has gone out (prompt logprobs ride on the first)
@@ -86,6 +89,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._families: dict[str, list[str]] = {}     # family id -> its samples' request ids (n > 1)
         self._ids = itertools.count()
+        self._timelines = TimelineRecorder()
 
     # ---- intake ---------------------------------------------------------------------------------
     def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
@@ -126,8 +130,8 @@ class LLMEngine:
         for sample in samples:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
                                                  params.skip_special_tokens, params.spaces_between_special_tokens)
-            self._tracked[sample.request_id] = _Tracked(sample, detokenizer, request_id,
-                                                        params.logprobs is not None, prompt_logprobs)
+            self._tracked[sample.request_id] = _Tracked(sample, detokenizer, request_id, params.logprobs is not None,
+                                                        prompt_logprobs, RequestTimeline(arrival))
         return samples[0]
 
     def _resolved(self, params: SamplingParams, token_ids: list[int]) -> SamplingParams:
@@ -183,6 +187,7 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        began = time.monotonic()            # the clock of arrivals and timelines
         output = None
         try:
             output = self.scheduler.schedule()
@@ -194,12 +199,17 @@ class LLMEngine:
             executed = time.perf_counter()
             result = self.runner.execute(output)
             self.stats.model_seconds += time.perf_counter() - executed
+            self._timelines.step(self._timeline_of, output, self.scheduler, began, time.monotonic())
             finished = self.scheduler.update(output, result.token_ids)
             outputs = self._outputs(output, result, finished)
         except Exception as exc:
             return self._recover(exc, output)
         self._account(output, started)
         return outputs
+
+    def _timeline_of(self, request_id: str) -> RequestTimeline | None:
+        tracked = self._tracked.get(request_id)
+        return tracked.timeline if tracked is not None else None
 
     def _recover(self, exc: Exception, output: SchedulerOutput | None) -> list[RequestOutput]:
         """End the failed step's requests with an error, release what they held, and prove it."""
@@ -249,6 +259,8 @@ class LLMEngine:
         tracked.reported = True
         if finished:
             del self._tracked[request.request_id]
+            self._timelines.forget(request.request_id)
+            tracked.timeline.finished = time.monotonic()
             if tracked.family_id in self._families and not any(
                     rid in self._tracked for rid in self._families[tracked.family_id]):
                 del self._families[tracked.family_id]
@@ -258,15 +270,15 @@ class LLMEngine:
                              request.first_scheduled_time, request.sample_index,
                              tracked.cumulative_logprob if tracked.logprobs else None,
                              list(request.prompt_token_ids) if first else None,
-                             list(tracked.prompt_logprobs) if first and tracked.prompt_logprobs else None)
+                             list(tracked.prompt_logprobs) if first and tracked.prompt_logprobs else None,
+                             tracked.timeline if finished else None)
 
     def _final_outputs(self) -> list[RequestOutput]:
         """The last output of every tracked request that has finished (each is reported once)."""
         return [self._output(tracked, []) for tracked in list(self._tracked.values()) if tracked.request.is_finished]
 
     def _account(self, output: SchedulerOutput, started: float) -> None:
-        self.stats.steps += 1
-        self.stats.step_seconds += time.perf_counter() - started
+        self.stats.count_step(time.perf_counter() - started)
         self.stats.generated_tokens += sum(chunk.sample + len(chunk.forks) for chunk in output.chunks)
         step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses
         for request in (r for chunk in output.chunks for r in (chunk.request, *chunk.forks)):
@@ -333,9 +345,7 @@ def resolve_max_model_len(asked: int | None, arch: ModelArch) -> int:
 
 
 def _combine(parts: list[RequestOutput]) -> RequestOutput:
-    last = parts[-1]
-    return RequestOutput(last.request_id, [t for p in parts for t in p.new_token_ids], "".join(p.text for p in parts),
-                         last.finished, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens,
-                         last.num_output_tokens, [lp for p in parts for lp in p.logprobs],
-                         last.first_scheduled_time, last.index, last.cumulative_logprob, parts[0].prompt_token_ids,
-                         parts[0].prompt_logprobs)
+    """One request's outputs as one: all its tokens, text and logprobs; the first's prompt, the last's state."""
+    return dataclasses.replace(parts[-1], new_token_ids=[t for p in parts for t in p.new_token_ids],
+                               text="".join(p.text for p in parts), logprobs=[lp for p in parts for lp in p.logprobs],
+                               prompt_token_ids=parts[0].prompt_token_ids, prompt_logprobs=parts[0].prompt_logprobs)

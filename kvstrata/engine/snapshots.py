@@ -10,9 +10,10 @@ A reader may see a snapshot one step old, never a half-changed one.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -34,6 +35,11 @@ class EngineInfo:
     hash_root: BlockHash
 
 
+# Step durations, in seconds: `kvstrata_step_duration_seconds` (a decode of the default model on 2 cores
+# is 10-70 ms; a long prefill chunk or a stalled step seconds).
+STEP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+
+
 @dataclass
 class EngineStats:
     """Counters since start, for metrics and the CLI's figures (the engine thread's own; snapshots copy it)."""
@@ -46,6 +52,12 @@ class EngineStats:
     step_seconds: float = 0.0
     schedule_seconds: float = 0.0      # of step_seconds: scheduling and admission
     model_seconds: float = 0.0         # of step_seconds: the model and the sampler
+    step_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))   # per bucket, +inf last
+
+    def count_step(self, seconds: float) -> None:
+        self.steps += 1
+        self.step_seconds += seconds
+        self.step_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,8 @@ class EngineSnapshot:
 
 
 def copied(stats: T) -> T:
-    """A copy of a counters dataclass whose dict fields are copied too (the engine thread keeps counting)."""
-    return dataclasses.replace(stats, **{f.name: dict(getattr(stats, f.name)) for f in dataclasses.fields(stats)
-                                        if isinstance(getattr(stats, f.name), dict)})
+    """A copy of a counters dataclass whose dict and list fields are copied too (the engine thread keeps
+    counting)."""
+    return dataclasses.replace(stats, **{f.name: type(getattr(stats, f.name))(getattr(stats, f.name))
+                                        for f in dataclasses.fields(stats)
+                                        if isinstance(getattr(stats, f.name), (dict, list))})

@@ -49,6 +49,8 @@ ENDPOINTS: dict[str, str] = {
     "/tokenize": "vLLM's: the token ids a completion or chat request would see",
     "/detokenize": "vLLM's: token ids back to text",
     "/version": "kvstrata's version",
+    "/v1/timelines": "where the named requests' time went (`?id=A&id=B`: queued, loads, prefill and decode "
+                     "steps, the waits between them), for the last 4,096 requests served; `kvstrata bench` reads it",
     "/health": "200 while the engine runs; 503 once it has failed",
     "/metrics": "Prometheus metrics (see below)",
     "/v1/kv_events": "for `kvstrata router`: block hashes stored and removed per tier after `since`, or a "

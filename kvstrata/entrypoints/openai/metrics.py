@@ -9,13 +9,14 @@ own registry, so several can live in one process (tests).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstrata.engine.snapshots import EngineSnapshot
+from kvstrata.engine.snapshots import STEP_BUCKETS, EngineSnapshot
 from kvstrata.kvcache.block_pool import BlockState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
@@ -90,6 +91,12 @@ class EngineCollector(Collector):
                             ("rest", run.step_seconds - run.schedule_seconds - run.model_seconds)):
             seconds.add_metric([part], value)
         yield seconds
+        steps = HistogramMetricFamily("kvstrata_step_duration_seconds", "Engine step durations (schedule, model, "
+                                      "bookkeeping)", labels=["model_name"])
+        cumulative = list(itertools.accumulate(run.step_counts))
+        steps.add_metric([self.model_name], [(str(b), c) for b, c in zip(STEP_BUCKETS, cumulative)]
+                         + [("+Inf", cumulative[-1])], sum_value=run.step_seconds)
+        yield steps
 
     def _vllm_style(self, snapshot: EngineSnapshot):
         """The figures vLLM dashboards chart, under kvstrata names, labelled with the model."""

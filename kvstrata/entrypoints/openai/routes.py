@@ -58,6 +58,12 @@ async def kv_events(request: Request, since: int = 0, instance: str | None = Non
     return await events.poll(since, instance, timeout)
 
 
+@router.get("/v1/timelines")
+async def timelines(request: Request, id: list[str] = Query(default_factory=list)):     # noqa: A002 - the query's name
+    """Where the named requests' time went (kvstrata.core.timeline), for the last requests served."""
+    return {"timelines": _state(request).timelines.get(id)}
+
+
 @router.get("/version")
 async def version():
     return {"version": __version__}

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvstrata.engine.async_engine import AsyncLLMEngine
 from kvstrata.engine.prompts import PromptEncoder
 from kvstrata.entrypoints.openai.metrics import ServerMetrics
+from kvstrata.entrypoints.openai.timelines import TimelineStore
 
 
 @dataclass
@@ -24,6 +25,7 @@ class ServerState:
     max_queue: int
     metrics: ServerMetrics
     prompts: PromptEncoder
+    timelines: TimelineStore = field(default_factory=TimelineStore)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def token_text(self, token_id: int) -> str:

@@ -41,6 +41,11 @@ class RequestTracker:
                                    last.num_prompt_tokens if last else None,
                                    last.first_scheduled_time if last else None)
         ttft = f"{self.first - self.arrival:.3f}s" if self.first is not None else "-"
+        for out in self.latest.values():
+            if out.timeline is not None:
+                out.timeline.received, out.timeline.first_sent, out.timeline.last_sent = self.arrival, self.first, end
+                key = self.request_id if self.num_samples == 1 else f"{self.request_id}/{out.index}"
+                self.state.timelines.add(key, out.timeline)
         request_log.info("%s: %d prompt tokens (%d cached), %d output tokens, ttft %s, %.3fs, finish %s",
                     self.request_id, last.num_prompt_tokens if last else 0, last.num_cached_tokens if last else 0,
                     num_output, ttft, end - self.arrival, outcome)
