@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,20 +26,24 @@ from kvstrata.entrypoints.openai.routes import router
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.entrypoints.openai.tracker import request_log
 
+if TYPE_CHECKING:
+    from kvstrata.entrypoints.openai.tracing import RequestTracing
+
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
-               allowed_origins: Sequence[str] = ()) -> FastAPI:
-    """The HTTP API over a started AsyncLLMEngine. `allowed_origins`: CORS (none: no CORS headers)."""
+               allowed_origins: Sequence[str] = (), tracing: RequestTracing | None = None) -> FastAPI:
+    """The HTTP API over a started AsyncLLMEngine. `allowed_origins`: CORS (none: no CORS headers);
+    `tracing`: where each finished request's trace goes (None: no tracing; the caller shuts it down)."""
     assert engine.info is not None and engine.prompts is not None, "start() the engine before serving it"
     info = engine.info
     app = FastAPI(title="kvstrata", version=__version__)
     metrics = ServerMetrics(lambda: engine.snapshot, info.max_model_len, model_name)
     state = ServerState(engine, model_name, info.max_model_len, info.vocab_size, api_key, max_queue, metrics,
-                        engine.prompts)
+                        engine.prompts, tracing=tracing)
     app.state.kvstrata = state
     _handle_errors(app, state)
 

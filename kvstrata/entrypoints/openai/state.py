@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstrata.engine.async_engine import AsyncLLMEngine
 from kvstrata.engine.prompts import PromptEncoder
 from kvstrata.entrypoints.openai.metrics import ServerMetrics
 from kvstrata.entrypoints.openai.timelines import TimelineStore
+
+if TYPE_CHECKING:       # only `--otlp-traces-endpoint` imports it (and OpenTelemetry)
+    from kvstrata.entrypoints.openai.tracing import RequestTracing
 
 
 @dataclass
@@ -26,6 +30,7 @@ class ServerState:
     metrics: ServerMetrics
     prompts: PromptEncoder
     timelines: TimelineStore = field(default_factory=TimelineStore)
+    tracing: RequestTracing | None = None       # OpenTelemetry traces of finished requests (default: off)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def token_text(self, token_id: int) -> str:

@@ -46,6 +46,9 @@ class RequestTracker:
                 out.timeline.received, out.timeline.first_sent, out.timeline.last_sent = self.arrival, self.first, end
                 key = self.request_id if self.num_samples == 1 else f"{self.request_id}/{out.index}"
                 self.state.timelines.add(key, out.timeline)
+        if self.state.tracing is not None:      # never raises
+            self.state.tracing.record(self.request_id, self.state.model_name,
+                                      [self.latest[i] for i in sorted(self.latest)], self.arrival, self.first, end)
         request_log.info("%s: %d prompt tokens (%d cached), %d output tokens, ttft %s, %.3fs, finish %s",
                     self.request_id, last.num_prompt_tokens if last else 0, last.num_cached_tokens if last else 0,
                     num_output, ttft, end - self.arrival, outcome)
