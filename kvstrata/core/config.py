@@ -167,6 +167,10 @@ class ServerConfig:
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
     allowed_origins: str | None = _opt(None, "browser origins allowed to call the API (CORS), comma-separated, "
                                              "or *; default: none (no CORS headers)")
+    otlp_traces_endpoint: str | None = _opt(None, "OpenTelemetry collector to send a trace of each request to "
+                                                  "(OTLP over HTTP/protobuf, e.g. http://localhost:4318; "
+                                                  "/v1/traces is added to a URL without a path); needs "
+                                                  "pip install 'kvstrata[otel]'; default: off")
 
     @property
     def origins(self) -> tuple[str, ...]:
@@ -176,6 +180,8 @@ class ServerConfig:
         _require(0 <= self.port <= 65535, f"port must be in 0..65535, not {self.port}")
         _require(self.max_queue >= 1, "max_queue must be at least 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout must not be negative")
+        _require(self.otlp_traces_endpoint is None or self.otlp_traces_endpoint.startswith(("http://", "https://")),
+                 f"otlp_traces_endpoint must be an http:// or https:// URL, not {self.otlp_traces_endpoint!r}")
         return self
 
 

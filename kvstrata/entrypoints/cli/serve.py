@@ -35,6 +35,10 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_arg
     server = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}).validate()
     started = time.monotonic()
+    tracing = None
+    if server.otlp_traces_endpoint is not None:     # before loading, so a missing package fails at once
+        from kvstrata.entrypoints.openai.tracing import RequestTracing
+        tracing = RequestTracing.otlp(server.otlp_traces_endpoint)
     faults = FaultInjector.from_env()
     if faults is not None:
         logging.getLogger("kvstrata").warning("%s is set: injecting faults %s", ENV_VAR, faults.every)
@@ -42,7 +46,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # Loaded on the engine thread, so one OpenMP team runs every step (see AsyncLLMEngine).
     async_engine = AsyncLLMEngine(lambda: LLMEngine(engine_settings, faults=faults), kv_events=True).start()
     name = server.served_model_name or async_engine.info.model_name
-    app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins)
+    app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins, tracing)
     # uvicorn stops accepting on SIGTERM/SIGINT, lets open requests run for shutdown_timeout seconds,
     # then cancels them (which aborts their requests); what is left is aborted below. Once done it
     # re-raises the signal into the handlers it found: these, so the process goes on to exit 0.
@@ -55,6 +59,8 @@ def run_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvstrata")
     log.info("shutting down: %d requests in flight", async_engine.num_unfinished)
     async_engine.shutdown()
+    if tracing is not None:
+        tracing.shutdown()      # sends what is queued, giving a collector that is down 5 s at most
     final = async_engine.snapshot
     stats = final.cache
     log.info("stopped: %d steps, %d prompt tokens (%d from cache), %d tokens generated; %d blocks written to "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvstrata.core.outputs import RequestOutput
 from kvstrata.core.timeline import RequestTimeline, Span
+from kvstrata.entrypoints.cli.main import main
 from kvstrata.entrypoints.openai.tracing import RequestTracing, otlp_traces_url
 from tests.entrypoints.server_helpers import MODEL, free_port, running_server
 
@@ -147,6 +150,29 @@ def test_record_never_waits_for_the_builder(monkeypatch):
     release.set()
     tracing.shutdown()
     assert built == ["a", "b"]
+
+
+def test_off_by_default_nothing_of_opentelemetry_is_imported():
+    code = ("import sys\n"
+            "from kvstrata.entrypoints.cli.main import build_parser\n"
+            "import kvstrata.entrypoints.cli.serve, kvstrata.entrypoints.openai.api_server\n"
+            "assert build_parser().parse_args(['serve']).otlp_traces_endpoint is None\n"
+            # FastAPI itself imports opentelemetry's API (its own telemetry, a no-op without a provider).
+            "print([m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter',"
+            " 'kvstrata.entrypoints.openai.tracing'))])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_without_the_packages_the_flag_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    assert main(["serve", "--otlp-traces-endpoint", "http://127.0.0.1:4318"]) == 2   # before any model loads
+    assert "pip install 'kvstrata[otel]'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
+    with pytest.raises(ValueError, match=r"pip install 'kvstrata\[otel\]'"):
+        RequestTracing(InMemorySpanExporter())
+    assert main(["serve", "--otlp-traces-endpoint", "localhost:4318"]) == 2
+    assert "must be an http:// or https:// URL" in capsys.readouterr().err
 
 
 def test_the_endpoint_gets_the_traces_path_when_it_has_none():
