@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvstrata.core.sampling_params import SamplingParams
-from kvstrata.core.timeline import RequestTimeline, Span
+from kvstrata.core.timeline import RequestTimeline
 from kvstrata.engine.timelines import TimelineRecorder
 from tests.entrypoints.server_helpers import running_server, scrape
 
