@@ -23,6 +23,7 @@ OFFLINE = (("kvstrata-float32", "kvstrata", "fp32 (torch)"), ("kvstrata-bfloat16
 SERVE_ROWS = (("completed", "completed / failed", None), ("output_throughput", "output tok/s", None),
               ("total_token_throughput", "total tok/s (prompt + output)", None),
               ("request_throughput", "requests/s", None), ("goodput", "goodput (requests/s in SLO)", None),
+              ("slo_fraction", "requests in SLO (share)", None),
               ("ttft_ms", "TTFT p50 (ms)", "p50"), ("ttft_ms", "TTFT p99 (ms)", "p99"),
               ("tpot_ms", "TPOT p50 (ms)", "p50"), ("tpot_ms", "TPOT p99 (ms)", "p99"),
               ("itl_ms", "ITL p99 (ms)", "p99"), ("e2el_ms", "E2E latency p50 (ms)", "p50"),
@@ -179,12 +180,46 @@ def arrivals(config: dict) -> str:
     return f"arrivals Poisson at {config['request_rate']}/s{' (conversations)' if what == 'conversations' else ''}"
 
 
+def slo_text(slo: dict[str, float]) -> str:
+    return ", ".join(f"{k} ≤ {v * 1000:.0f} ms" for k, v in slo.items())
+
+
+def headline_section(served: list[tuple[str, dict]]) -> list[str]:
+    """One row per served run: each server's requests/s with its goodput (the requests/s that met every
+    SLO) in brackets, and the first server's goodput over each other's."""
+    served = [(name, data) for name, data in served if data]
+    if not served:
+        return []
+    labels = list(served[0][1]["summary"])
+    base = labels[0]
+    slo = next((data["config"]["slo_s"] for _, data in served if data["config"].get("slo_s")), None)
+    lines = [f"Headline: requests/s and, in brackets, goodput: the requests/s that met every SLO "
+             f"({slo_text(slo) if slo else 'none given: goodput needs `--slo`'}; DistServe's measure, which "
+             "throughput alone overstates when the tail misses the SLO).", "",
+             "| run | " + " | ".join(f"{label} requests/s (goodput)" for label in labels) + " | "
+             + " | ".join(f"{base} ÷ {o}, goodput" for o in labels[1:]) + " |",
+             "|---|" + "---:|" * (2 * len(labels) - 1)]
+    for name, data in served:
+        summary, has_slo = data["summary"], bool(data["config"].get("slo_s"))
+
+        def cell(label: str) -> str:
+            if label not in summary:
+                return "–"
+            m = summary[label]
+            good = _num(m["goodput"], 3) if has_slo else "needs --slo"
+            return f"{_num(m['request_throughput'], 3)} ({good})"
+        rel = [_ratio(summary[base]["goodput"], summary[o]["goodput"])
+               if has_slo and base in summary and o in summary else "–" for o in labels[1:]]
+        lines.append(f"| {name} | " + " | ".join(cell(label) for label in labels) + " | " + " | ".join(rel) + " |")
+    return lines
+
+
 def serve_section(name: str, data: dict) -> list[str]:
     config, summary = data["config"], data["summary"]
     labels = list(summary)
     base = labels[0]
     params = ", ".join(f"{k} {v}" for k, v in config["workload_params"].items())
-    slo = ", ".join(f"{k} ≤ {v * 1000:.0f} ms" for k, v in config["slo_s"].items())
+    slo = slo_text(config["slo_s"]) or "none given (goodput needs `--slo`)"
     busy = [f"{r['label']} r{r['repeat']}: {r['cpu_busy_before']:.0%}" for r in data["runs"]]
     lines = [f"### {name}", "",
              f"{config['num_requests']} requests ({params}), {arrivals(config)}"
@@ -195,13 +230,15 @@ def serve_section(name: str, data: dict) -> list[str]:
              "|---|" + "---:|" * (2 * len(labels) - 1)]
     for key, title, stat in SERVE_ROWS:
         def value(label: str):
-            v = summary[label][key]
-            return v[stat] if stat else v
+            v = summary[label].get(key)          # results from before a figure existed lack it
+            return v[stat] if stat and v is not None else v
         if key == "completed":
             cells = [f"{summary[l]['completed']} / {summary[l]['failed']}" for l in labels]
             rel = ["–" for _ in labels[1:]]
+        elif key in ("goodput", "slo_fraction") and not config["slo_s"]:
+            cells, rel = ["needs --slo" for _ in labels], ["–" for _ in labels[1:]]
         else:
-            digits = 3 if key in ("cached_fraction", "request_throughput", "goodput") else 1
+            digits = 3 if key in ("cached_fraction", "request_throughput", "goodput", "slo_fraction") else 1
             cells = [_num(value(l), digits) for l in labels]
             rel = [_ratio(value(base), value(o)) for o in labels[1:]]
         lines.append(f"| {title} | " + " | ".join(cells) + " | " + " | ".join(rel) + " |")
@@ -245,6 +282,7 @@ def render(results: Path, current: Path) -> str:
                   "off, one after another on the same request sequence; streamed `/v1/completions` with token-id "
                   "prompts, greedy, fixed output length (`ignore_eos`). Ratios are kvstrata (caching on) over each "
                   "other server: above 1 is better for throughput, worse for latency.", ""]
+        lines += headline_section(served) + [""]
         for name, data in served:
             if data:
                 lines += serve_section(name, data) + [""]

@@ -3,7 +3,8 @@
 The prompt goes to `/v1/completions` as token ids (or as text, for servers that only take
 strings), with `stream_options.include_usage` so the server reports prompt, completion and cached
 tokens. Servers that send no usage still get measured: output tokens then count the chunks that
-carried text, and the cached fraction is unknown.
+carried text, and the cached fraction is unknown. The response's `id` is kept: a kvstrata server
+answers `/v1/timelines` by it (tails.py).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int,
                 if error := chunk.get("error"):
                     result.error = str(error)[:300]
                     return result
+                result.request_id = result.request_id or chunk.get("id")
                 if chunk.get("choices"):
                     now = time.perf_counter()
                     if last is None:

@@ -8,6 +8,9 @@ sent, as in `vllm bench serve`).
 Comparisons alternate: repeat r runs every target on the workload of seed + r, with the order of
 targets rotated by r, so drift on a shared machine (neighbours' load, thermal state) falls on all
 targets alike, and no repeat finds another repeat's prompts in a cache.
+
+After a run, the timelines of its requests are fetched from the server if asked (tails.py): outside
+the timed run, and before the next run can push them out of the server's bounded store.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 from kvstrata.bench.client import RequestOptions, Target, request_body, resolve_model, send
 from kvstrata.bench.metrics import RequestResult
 from kvstrata.bench.quiet import wait_quiet
+from kvstrata.bench.tails import fetch
 from kvstrata.bench.workloads import Session, Workload, WorkloadOptions, random_workload
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ class RunResult:
     load_before: tuple[float, float, float]
     load_after: tuple[float, float, float]
     cpu_busy_before: float = 0.0        # share of the cores others used just before the run (quiet.py)
+    timelines: dict[str, dict] | None = None   # request id -> the server's timeline; None: not asked or none kept
 
 
 def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -70,8 +75,10 @@ def schedule(workload: Workload, load: LoadOptions, seed: int) -> list[float]:
 
 
 async def run_workload(target: Target, workload: Workload, load: LoadOptions, options: RequestOptions,
-                       seed: int, repeat: int = 0, on_done: Callable[[], None] = lambda: None) -> RunResult:
-    """Send every turn of `workload` to `target`; returns per-request results in send order."""
+                       seed: int, repeat: int = 0, on_done: Callable[[], None] = lambda: None,
+                       timelines: bool = False) -> RunResult:
+    """Send every turn of `workload` to `target`; returns per-request results in send order (and, with
+    `timelines`, the server's timelines of them, fetched once the run is over)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=options.timeout) as client:
         model = await resolve_model(client, target)
@@ -99,8 +106,10 @@ async def run_workload(target: Target, workload: Workload, load: LoadOptions, op
         load_before = os.getloadavg()
         await asyncio.gather(*(session(s, at) for s, at in zip(workload.sessions, schedule(workload, load, seed))))
         duration = time.perf_counter() - begin
+        load_after = os.getloadavg()
+        kept = await fetch(client, target.api, [r.request_id for r in results if r.request_id]) if timelines else None
     results.sort(key=lambda r: r.start)
-    return RunResult(target.label, repeat, seed, results, duration, load_before, os.getloadavg())
+    return RunResult(target.label, repeat, seed, results, duration, load_before, load_after, timelines=kept)
 
 
 async def warm_up(target: Target, load: LoadOptions, options: RequestOptions) -> None:
@@ -113,9 +122,10 @@ async def warm_up(target: Target, load: LoadOptions, options: RequestOptions) ->
 
 async def compare(targets: list[Target], build: Callable[[int], Workload], load: LoadOptions,
                   options: RequestOptions, seed: int, repeats: int, patience: float = 0.0,
-                  on_done: Callable[[], None] = lambda: None) -> list[RunResult]:
+                  on_done: Callable[[], None] = lambda: None, timelines: bool = False) -> list[RunResult]:
     """Run every target `repeats` times, alternating; repeat r uses the workload of seed + r.
-    Each run first waits up to `patience` s for other jobs to leave the cores (the servers idle meanwhile)."""
+    Each run first waits up to `patience` s for other jobs to leave the cores (the servers idle meanwhile).
+    With `timelines`, each run brings back its requests' timelines from servers that keep them."""
     for target in targets:
         await warm_up(target, load, options)
     runs = []
@@ -125,6 +135,6 @@ async def compare(targets: list[Target], build: Callable[[int], Workload], load:
         for target in order:
             busy = await asyncio.to_thread(wait_quiet, patience, f"{target.label} repeat {repeat}")
             logger.info("repeat %d: %s (%d requests)", repeat, target.label, workload.num_requests)
-            run = await run_workload(target, workload, load, options, seed + repeat, repeat, on_done)
+            run = await run_workload(target, workload, load, options, seed + repeat, repeat, on_done, timelines)
             runs.append(dataclasses.replace(run, cpu_busy_before=busy))
     return runs

@@ -2,7 +2,8 @@
 
 Definitions follow `vllm bench serve`: TTFT is send -> first streamed chunk; ITL the gaps between
 chunks; TPOT (e2e - TTFT) / (output tokens - 1), per request; goodput the completed requests that
-meet every SLO, per second of the run.
+meet every SLO, per second of the run (DistServe's measure: the load a server carries within its SLO,
+which throughput alone overstates when the tail misses it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     start: float = 0.0                   # seconds from the start of the run
     error: str = ""
+    request_id: str | None = None        # the response's `id` (cmpl-...), for the server's /v1/timelines
 
     @property
     def tpot(self) -> float | None:
@@ -87,6 +89,7 @@ class RunMetrics:
     duration_s: float
     request_throughput: float        # completed requests / s
     goodput: float                   # completed requests meeting the SLO / s (all completed without SLO)
+    slo_fraction: float | None       # share of the requests sent that met every SLO; None without an SLO
     output_throughput: float         # output tokens / s
     total_token_throughput: float    # (prompt + output tokens) / s
     mean_prompt_tokens: float
@@ -105,10 +108,11 @@ class RunMetrics:
         reported = [r for r in done if r.cached_tokens is not None]
         reported_prompt = sum(r.prompt_tokens for r in reported)
         duration = max(duration, 1e-9)
+        good = sum(meets_slo(r, slo) for r in done)
         return cls(
             completed=len(done), failed=len(results) - len(done), duration_s=duration,
             request_throughput=len(done) / duration,
-            goodput=sum(meets_slo(r, slo) for r in done) / duration,
+            goodput=good / duration, slo_fraction=(good / len(results) if results else math.nan) if slo else None,
             output_throughput=output / duration, total_token_throughput=(prompt + output) / duration,
             mean_prompt_tokens=prompt / len(done) if done else math.nan,
             mean_output_tokens=output / len(done) if done else math.nan,

@@ -120,6 +120,15 @@ def test_bench_serve_against_a_live_server(smollm2, tmp_path, capsys):
     assert data["ratios"]["first/second"]["completed"] == 1.0
     assert all(0.0 <= run["cpu_busy_before"] <= 1.0 for run in data["runs"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the server's timelines of every request came back, and account for the client's e2e but what is outside it
+    assert "first: where the time went (s), the slowest 1 of 4 by e2e latency" in text
+    for label in ("first", "second"):
+        tails = data["tails"][label]
+        assert tails["timelines"] == 4 and tails["slowest"][0]["request_id"].startswith("cmpl-")
+        for slow in tails["slowest"]:
+            parts = slow["breakdown"]
+            assert sum(parts.values()) == pytest.approx(slow["e2el"]) and parts["prefill"] > 0 < parts["decode"]
+            assert -0.005 < parts["outside"] < slow["e2el"] and slow["timeline"]["received"] is not None
 
 
 def test_bench_offline(tmp_path, capsys):

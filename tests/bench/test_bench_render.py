@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ def test_render_puts_the_run_under_its_machine_and_keeps_other_machines_sections
         {"started": "2026-12-02 00:00:00 UTC", "machine": machine, "load_before": [0.1, 0.1, 0.1],
          "load_after": [0.2, 0.2, 0.2], "minutes": 1.0, "threads": 2, "kvstrata_serve": ["--threads", "2"],
          "vllm_serve": ["--dtype", "float32"], "versions": {"torch": "2.13.0+cpu"}}))
+    (results / "serve-shared-prefix.json").write_text(json.dumps(
+        serve_results({"ttft": 2.0}, {"kvstrata": 0.8, "vllm": 0.4})))
     current = tmp_path / "BENCHMARKS.md"
     current.write_text("# Benchmarks\n\n<!-- notes:begin -->\nold notes\n<!-- notes:end -->\n\n"
                        "<!-- machines:begin -->\n## Some Xeon: int8, 2026-11-29\n\nkept\n<!-- machines:end -->\n")
@@ -59,3 +62,41 @@ def test_render_puts_the_run_under_its_machine_and_keeps_other_machines_sections
     assert "\n### Test configuration\n" in text and "\n## Test configuration\n" not in text
     assert "old notes" in text and "\n## Some Xeon: int8, 2026-11-29\n\nkept\n" in text
     assert text.index("make bench`, 2026-12-02") < text.index("## Some Xeon")
+    served = text.index("\n### Served throughput and latency\n")
+    assert served < text.index("Headline: requests/s and, in brackets, goodput") < text.index("\n#### shared-prefix\n")
+
+
+def serve_results(slo: dict[str, float], goodputs: dict[str, float], old: bool = False) -> dict:
+    """A served run's JSON as `kvstrata bench serve` writes it (`old`: from before requests in SLO were kept)."""
+    from kvstrata.bench.metrics import RequestResult, RunMetrics
+
+    summary = {}
+    for label, good in goodputs.items():
+        ttfts = [0.1 if i < good * 10 else 9.0 for i in range(10)]          # the first good * 10 meet the SLO
+        results = [RequestResult(ok=True, prompt_tokens=8, output_tokens=4, ttft=t, e2el=t + 0.3) for t in ttfts]
+        summary[label] = dataclasses.asdict(RunMetrics.of(results, 10.0, slo))
+        if old:
+            del summary[label]["slo_fraction"]
+    return {"config": {"workload": "shared-prefix", "workload_params": {"input_len": 8}, "num_requests": 10,
+                       "request_rate": 1.0, "repeats": 1, "slo_s": slo, "max_concurrency": None},
+            "summary": summary, "runs": [{"label": label, "repeat": 0, "cpu_busy_before": 0.0} for label in goodputs]}
+
+
+def test_served_tables_head_with_goodput_beside_throughput():
+    slo = {"ttft": 2.0, "tpot": 0.25}
+    served = [("shared-prefix", serve_results(slo, {"kvstrata": 0.8, "vllm": 0.4})), ("multi-turn", None),
+              ("shared-prefix-saturated", serve_results({}, {"kvstrata": 1.0, "vllm": 1.0}))]
+    lines = render_md.headline_section(served)
+    assert "(ttft ≤ 2000 ms, tpot ≤ 250 ms;" in lines[0]
+    assert lines[2] == "| run | kvstrata requests/s (goodput) | vllm requests/s (goodput) | kvstrata ÷ vllm, goodput |"
+    assert lines[4] == "| shared-prefix | 1.000 (0.800) | 1.000 (0.400) | 2.00× |"
+    assert lines[5] == "| shared-prefix-saturated | 1.000 (needs --slo) | 1.000 (needs --slo) | – |"
+    table = render_md.serve_section("shared-prefix", served[0][1])
+    assert "| goodput (requests/s in SLO) | 0.800 | 0.400 | 2.00× |" in table
+    assert "| requests in SLO (share) | 0.800 | 0.400 | 2.00× |" in table
+    assert "Goodput SLO: ttft ≤ 2000 ms, tpot ≤ 250 ms." in table[2]
+    no_slo = render_md.serve_section("saturated", served[2][1])
+    assert "| goodput (requests/s in SLO) | needs --slo | needs --slo | – |" in no_slo
+    assert "Goodput SLO: none given (goodput needs `--slo`)." in no_slo[2]
+    old = render_md.serve_section("old", serve_results(slo, {"kvstrata": 0.8, "vllm": 0.4}, old=True))
+    assert "| requests in SLO (share) | – | – | – |" in old

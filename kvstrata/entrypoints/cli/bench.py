@@ -2,6 +2,7 @@
 
     kvstrata bench serve --base-url http://127.0.0.1:8000 --compare-url http://127.0.0.1:8001 \\
         --workload shared-prefix --request-rate 2 --num-requests 64 --seed 0 --slo ttft=2000,tpot=200
+    kvstrata bench serve --base-url http://127.0.0.1:8000 --request-rate 0.5,1,2,inf --slo ttft=2000,tpot=200
     kvstrata bench offline --num-prompts 1,32 --input-len 128 --output-len 128
 """
 
@@ -37,7 +38,20 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
 
 # ---- serve --------------------------------------------------------------------------------------
 def _rate(text: str) -> float:
-    return math.inf if text.lower() in ("inf", "infinity") else float(text)
+    return math.inf if text.strip().lower() in ("inf", "infinity") else float(text)
+
+
+def _rates(text: str) -> list[float]:
+    """'0.5,1,inf' -> [0.5, 1.0, inf]: one rate runs as always, several are a sweep."""
+    try:
+        rates = [_rate(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write rates per second, comma-separated (inf: all at once)")
+    if not rates or any(not rate > 0 for rate in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: every rate must be positive")
+    if len(set(rates)) != len(rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: a rate appears twice")
+    return rates
 
 
 def _add_serve(kinds: argparse._SubParsersAction) -> None:
@@ -48,14 +62,17 @@ def _add_serve(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--label", action="append", default=[], help="names of the servers, in the order given")
     p.add_argument("--model", default=None, help="model name to send (default: the first of each server's /v1/models)")
     p.add_argument("--workload", default="random", help=f"{', '.join(WORKLOADS)} or trace:PATH (Mooncake jsonl)")
-    p.add_argument("--request-rate", type=_rate, default=math.inf,
-                   help="sessions started per second, or inf for all at once (default: inf)")
+    p.add_argument("--request-rate", type=_rates, default="inf",
+                   help="sessions started per second, or inf for all at once (default: inf); several, comma-"
+                        "separated (0.5,1,2,inf), sweep: the same requests at each rate, then a summary and a PNG "
+                        "of p99 TTFT and TPOT against the rate")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 Poisson, <1 burstier")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (and arrivals) (default: 0)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per server, alternating; repeat r uses seed + r (default: 1)")
-    p.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft=2000,tpot=200,e2el=30000")
+    p.add_argument("--slo", default=None, help="goodput SLO in ms, e.g. ttft=2000,tpot=200,e2el=30000; goodput "
+                                               "(requests/s within every SLO) heads the results beside throughput")
     p.add_argument("--warmup-requests", type=int, default=2, help="short unmeasured requests per server first")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that refuse it); outputs may then stop early")
@@ -71,6 +88,9 @@ def _add_serve(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default=None, help="path prefix of the .json and .png written "
                                                   f"(default: {RESULTS_DIR}/serve-WORKLOAD-TIME)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--no-timelines", dest="timelines", action="store_false",
+                   help="do not fetch the server's timelines of the requests (GET /v1/timelines), which show where "
+                        "the slowest requests (by e2e latency and by TTFT) spent their time")
     w = p.add_argument_group("workload options")
     defaults = WorkloadOptions()
     for field in dataclasses.fields(WorkloadOptions):
@@ -135,32 +155,69 @@ def run_serve(args: argparse.Namespace) -> int:
     slo = parse_slo(args.slo)
     build = _workload_builder(args)
     first = build(args.seed)
-    load = LoadOptions(args.request_rate, args.burstiness, args.max_concurrency, args.warmup_requests)
+    rates = args.request_rate
+    if len(rates) > 1 and first.name.startswith("trace:"):
+        raise ValueError("a trace brings its own arrival times: sweep --trace-time-scale instead of --request-rate")
     options = RequestOptions(args.ignore_eos, args.include_usage, _decoder(args), args.timeout)
-    total = first.num_requests * len(targets) * args.repeats
+    total = first.num_requests * len(targets) * args.repeats * len(rates)
     from tqdm import tqdm
 
-    with tqdm(total=total, desc=first.name, unit="req", disable=not args.progress) as bar:
-        runs = asyncio.run(compare(targets, build, load, options, args.seed, args.repeats, args.patience,
-                                   lambda: bar.update()))
-    summary = report.summarize(runs, slo)
     print(f"machine: {machine().describe()}")
-    arrivals = "trace times" if first.name.startswith("trace:") else f"rate {args.request_rate}/s"
-    print(f"workload {first.name} {json.dumps(first.params)}: {first.num_requests} requests x {args.repeats} "
-          f"repeats, {arrivals}, max concurrency {args.max_concurrency}")
-    print(report.table(summary))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    prefix = Path(args.output or RESULTS_DIR / f"serve-{first.name.split(':')[0]}-{stamp}")
+    points, failed = [], False
+    with tqdm(total=total, desc=first.name, unit="req", disable=not args.progress) as bar:
+        for index, rate in enumerate(rates):         # the same requests at every rate; servers warmed once
+            load = LoadOptions(rate, args.burstiness, args.max_concurrency, args.warmup_requests if not index else 0)
+            runs = asyncio.run(compare(targets, build, load, options, args.seed, args.repeats, args.patience,
+                                       lambda: bar.update(), args.timelines))
+            summary = report.summarize(runs, slo)
+            slowest = report.tails(runs) if args.timelines else None
+            with bar.external_write_mode():
+                if len(rates) > 1:
+                    print(f"\n== request rate {report.rate_name(rate)}/s ==")
+                _print_run(args, first, rate, summary, slowest, slo)
+            points.append((rate, runs, summary, slowest))
+            failed = failed or any(m.failed for m in summary.values())
+    prefix = Path(args.output or RESULTS_DIR / f"serve-{first.name.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
     config = {"workload": first.name, "workload_params": first.params, "num_requests": first.num_requests,
-              "turn_gap_s": first.turn_gap, "request_rate": args.request_rate, "burstiness": args.burstiness,
+              "turn_gap_s": first.turn_gap, "request_rate": rates[0] if len(rates) == 1 else rates,
+              "burstiness": args.burstiness,
               "max_concurrency": args.max_concurrency, "seed": args.seed, "repeats": args.repeats,
               "slo_s": slo, "ignore_eos": args.ignore_eos, "prompt_format": args.prompt_format,
-              "patience_s": args.patience,
+              "patience_s": args.patience, "timelines": args.timelines,
               "targets": [dataclasses.asdict(t) for t in targets]}
-    report.write_json(prefix.with_suffix(".json"), report.to_json(runs, summary, config))
-    report.plot(prefix.with_suffix(".png"), runs, summary, f"{first.name}: {first.num_requests} requests, {arrivals}")
+    if len(rates) == 1:
+        _, runs, summary, slowest = points[0]
+        report.write_json(prefix.with_suffix(".json"), report.to_json(runs, summary, config, slowest))
+        report.plot(prefix.with_suffix(".png"), runs, summary,
+                    f"{first.name}: {first.num_requests} requests, {_arrivals(first, rates[0])}")
+    else:
+        sweep = [(rate, summary) for rate, _, summary, _ in points]
+        print(f"\nsweep of {first.name}, {first.num_requests} requests x {args.repeats} repeats per rate "
+              f"({'SLO ' + report.slo_text(slo) if slo else 'no SLO: goodput needs --slo'}):")
+        print(report.sweep_table(sweep))
+        report.write_json(prefix.with_suffix(".json"), report.sweep_json(points, config))
+        report.plot_sweep(prefix.with_suffix(".png"), sweep,
+                          f"{first.name}: {first.num_requests} requests x {args.repeats} repeats per rate")
     print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.png')}")
-    return 1 if any(m.failed for m in summary.values()) else 0
+    return 1 if failed else 0
+
+
+def _arrivals(first: Workload, rate: float) -> str:
+    return "trace times" if first.name.startswith("trace:") else f"rate {rate}/s"
+
+
+def _print_run(args: argparse.Namespace, first: Workload, rate: float, summary: dict, slowest: dict | None,
+               slo: dict[str, float]) -> None:
+    """One rate's results: the workload, the table, the headline and where the slowest requests' time went."""
+    from kvstrata.bench import report
+
+    print(f"workload {first.name} {json.dumps(first.params)}: {first.num_requests} requests x {args.repeats} "
+          f"repeats, {_arrivals(first, rate)}, max concurrency {args.max_concurrency}")
+    print(report.table(summary))
+    print(report.headline(summary, slo))
+    for tails in (slowest or {}).values():
+        print()
+        print(tails.table())
 
 
 # ---- offline ------------------------------------------------------------------------------------
