@@ -177,7 +177,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 _print_run(args, first, rate, summary, slowest, slo)
             points.append((rate, runs, summary, slowest))
             failed = failed or any(m.failed for m in summary.values())
-    prefix = Path(args.output or RESULTS_DIR / f"serve-{first.name.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    prefix = str(args.output or RESULTS_DIR / f"serve-{first.name.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    json_path, png_path = Path(prefix + ".json"), Path(prefix + ".png")      # a prefix may hold dots (a rate)
     config = {"workload": first.name, "workload_params": first.params, "num_requests": first.num_requests,
               "turn_gap_s": first.turn_gap, "request_rate": rates[0] if len(rates) == 1 else rates,
               "burstiness": args.burstiness,
@@ -187,18 +188,18 @@ def run_serve(args: argparse.Namespace) -> int:
               "targets": [dataclasses.asdict(t) for t in targets]}
     if len(rates) == 1:
         _, runs, summary, slowest = points[0]
-        report.write_json(prefix.with_suffix(".json"), report.to_json(runs, summary, config, slowest))
-        report.plot(prefix.with_suffix(".png"), runs, summary,
+        report.write_json(json_path, report.to_json(runs, summary, config, slowest))
+        report.plot(png_path, runs, summary,
                     f"{first.name}: {first.num_requests} requests, {_arrivals(first, rates[0])}")
     else:
         sweep = [(rate, summary) for rate, _, summary, _ in points]
         print(f"\nsweep of {first.name}, {first.num_requests} requests x {args.repeats} repeats per rate "
               f"({'SLO ' + report.slo_text(slo) if slo else 'no SLO: goodput needs --slo'}):")
         print(report.sweep_table(sweep))
-        report.write_json(prefix.with_suffix(".json"), report.sweep_json(points, config))
-        report.plot_sweep(prefix.with_suffix(".png"), sweep,
+        report.write_json(json_path, report.sweep_json(points, config))
+        report.plot_sweep(png_path, sweep,
                           f"{first.name}: {first.num_requests} requests x {args.repeats} repeats per rate")
-    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.png')}")
+    print(f"wrote {json_path} and {png_path}")
     return 1 if failed else 0
 
 
