@@ -143,9 +143,16 @@ class SchedulerConfig:
     policy: str = _opt("fcfs", "order of waiting requests: fcfs, priority (lower value first) "
                                "or lpm (longest cached prefix first)", POLICIES)
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+    max_tpot_ms: float = _opt(150.0, "while requests decode, cut each step's prefill to what the engine's "
+                                     "measured step cost says fits in this many ms (at least "
+                                     "min_prefill_tokens); 0: no cut")
+    min_prefill_tokens: int = _opt(64, "prefill tokens a step may always take under max_tpot_ms, so that "
+                                       "waiting prompts move on")
 
     def validate(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
+        _require(self.max_tpot_ms >= 0, f"max_tpot_ms must be 0 (off) or positive, not {self.max_tpot_ms}")
+        _require(self.min_prefill_tokens >= 1, "min_prefill_tokens must be at least 1")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
         _require(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")

@@ -32,6 +32,7 @@ from kvstrata.core.timeline import RequestTimeline
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.prompts import Prompt, PromptEncoder
 from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot, EngineStats, RequestCounts, copied
+from kvstrata.engine.step_cost import StepCostModel
 from kvstrata.engine.timelines import TimelineRecorder
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.stores import open_store
@@ -90,6 +91,7 @@ class LLMEngine:
         self._families: dict[str, list[str]] = {}     # family id -> its samples' request ids (n > 1)
         self._ids = itertools.count()
         self._timelines = TimelineRecorder()
+        self.step_cost = StepCostModel()         # what a step costs here, learned from the steps run
 
     # ---- intake ---------------------------------------------------------------------------------
     def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
@@ -190,7 +192,7 @@ class LLMEngine:
         began = time.monotonic()            # the clock of arrivals and timelines
         output = None
         try:
-            output = self.scheduler.schedule()
+            output = self.scheduler.schedule(self._prefill_limit if self.config.scheduler.max_tpot_ms else None)
             self.stats.schedule_seconds += time.perf_counter() - started
             if output.is_empty:
                 self.tiers.wait_for_transfers(timeout=0.005)    # only transfers are running: do not spin
@@ -206,6 +208,11 @@ class LLMEngine:
             return self._recover(exc, output)
         self._account(output, started)
         return outputs
+
+    def _prefill_limit(self, decodes: int) -> int:
+        scheduler = self.config.scheduler
+        return self.step_cost.prefill_limit(scheduler.max_tpot_ms / 1000, decodes, scheduler.min_prefill_tokens,
+                                            scheduler.max_num_batched_tokens)
 
     def _timeline_of(self, request_id: str) -> RequestTimeline | None:
         tracked = self._tracked.get(request_id)
@@ -278,7 +285,11 @@ class LLMEngine:
         return [self._output(tracked, []) for tracked in list(self._tracked.values()) if tracked.request.is_finished]
 
     def _account(self, output: SchedulerOutput, started: float) -> None:
-        self.stats.count_step(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.stats.count_step(seconds)
+        if not output.is_empty:
+            prefills = [c for c in output.chunks if c.start < c.request.num_prompt_tokens]
+            self.step_cost.observe(sum(c.num_tokens for c in prefills), len(output.chunks) - len(prefills), seconds)
         self.stats.generated_tokens += sum(chunk.sample + len(chunk.forks) for chunk in output.chunks)
         step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses
         for request in (r for chunk in output.chunks for r in (chunk.request, *chunk.forks)):

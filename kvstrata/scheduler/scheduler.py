@@ -26,7 +26,7 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvstrata.core.config import SchedulerConfig
@@ -156,8 +156,12 @@ class Scheduler:
                 if self._waiting_key.get(request.request_id) == key]
 
     # ---- one step -------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """The next step's chunks. If this raises, `in_step` names the requests it was working on."""
+    def schedule(self, prefill_limit: Callable[[int], int] | None = None) -> SchedulerOutput:
+        """The next step's chunks. If this raises, `in_step` names the requests it was working on.
+
+        `prefill_limit(decodes)`: most prefill tokens a step with that many decodes may take (the
+        engine's answer to a step-time target); prefill chunks then share it, decodes never wait for it.
+        """
         self.in_step = []
         for request in self.tiers.poll_loads():
             self.loading.remove(request)
@@ -167,12 +171,18 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
         self.running.sort(key=self._rank)
+        decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        prefill_left = prefill_limit(decodes) if prefill_limit is not None and decodes else budget
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            pending = request.num_tokens - request.num_computed_tokens
+            assert pending > 0, f"running request {request.request_id} has nothing to compute"
+            num_new = min(pending, budget) if pending == 1 else min(pending, budget, prefill_left)
+            if num_new == 0:            # a prompt to continue, and no prefill left in this step
+                index += 1
+                continue
             self.in_step.append(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             while not self.tiers.grow(request, num_new):
                 for victim in self._victims(index):
                     self._preempt(victim)
@@ -183,9 +193,10 @@ class Scheduler:
                 break
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
+            prefill_left -= num_new if pending > 1 else 0
             index += 1
         if not preempted:
-            budget = self._admit(budget, chunks)
+            self._admit(min(budget, prefill_left), chunks)
         self.tiers.on_step(nonempty=bool(chunks))
         return SchedulerOutput(chunks, preempted)
 

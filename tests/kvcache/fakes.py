@@ -13,7 +13,7 @@ steps a scheduler until nothing is left; the scenarios build the states the tier
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -99,9 +99,10 @@ def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int 
     return Scheduler(scheduler_config, TierManager(cache_config, num_blocks, mover=mover), eos_token_ids=[EOS])
 
 
-def step(scheduler: Scheduler, runner: FakeRunner) -> SchedulerOutput:
+def step(scheduler: Scheduler, runner: FakeRunner,
+         prefill_limit: Callable[[int], int] | None = None) -> SchedulerOutput:
     """One engine step with the fake model, audited."""
-    output = scheduler.schedule()
+    output = scheduler.schedule(prefill_limit)
     assert output.num_tokens <= scheduler.config.max_num_batched_tokens
     scheduler.update(output, runner.execute(output))
     scheduler.audit()

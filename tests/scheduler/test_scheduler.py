@@ -32,6 +32,49 @@ def test_running_requests_come_first_and_share_the_budget():
     assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 9)]
 
 
+def test_a_prefill_limit_cuts_prefill_beside_decodes_and_never_a_decode():
+    """The engine's step-time target: with decodes running, prompts (continued or newly admitted)
+    share what the limit allows; the decodes all run; without decodes the limit is not asked."""
+    s = make_scheduler(max_num_batched_tokens=16)
+    r = runner_for(s)
+    asked = []
+
+    def limit(decodes):
+        asked.append(decodes)
+        return 3
+
+    s.add_request(make_request("a", list(range(6)), max_tokens=5))
+    s.add_request(make_request("b", list(range(10, 16)), max_tokens=5))
+    assert [c.num_tokens for c in step(s, r, limit).chunks] == [6, 6] and asked == []
+    s.add_request(make_request("c", list(range(100, 120)), max_tokens=2))
+    s.add_request(make_request("d", list(range(200, 210)), max_tokens=2))
+    out = step(s, r, limit)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 3)]
+    assert asked == [2]
+    out = step(s, r, lambda decodes: 5)                      # c continues within the limit, d gets the rest
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 5)]
+    out = step(s, r, lambda decodes: 14)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 12),
+                                                                          ("d", 2)]
+
+
+def test_outputs_are_identical_with_and_without_a_prefill_limit():
+    results = []
+    for limit in (None, lambda decodes: 2, lambda decodes: 7 - min(decodes, 6)):
+        s = make_scheduler(num_blocks=24, max_num_batched_tokens=12, max_model_len=40)
+        r = runner_for(s)
+        requests = shared_prefix_requests(20)
+        for request in requests:
+            s.add_request(request)
+        for _ in range(2000):
+            if not s.has_unfinished:
+                break
+            step(s, r, limit)
+        assert not s.has_unfinished
+        results.append({q.request_id: q.output_token_ids for q in requests})
+    assert results[0] == results[1] == results[2]
+
+
 def test_max_num_seqs_caps_running_requests():
     s = make_scheduler(max_num_seqs=2)
     r = runner_for(s)

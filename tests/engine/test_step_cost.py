@@ -1,0 +1,49 @@
+"""The step cost the engine learns from its own steps, and the prefill it allows under a time target."""
+
+import random
+
+from kvstrata.engine.step_cost import MIN_STEPS, STRETCH, StepCostModel
+
+
+def trained(base=0.02, per_token=0.0006, per_decode=0.001, steps=200, seed=0):
+    model = StepCostModel()
+    rng = random.Random(seed)
+    for _ in range(steps):
+        prefill, decodes = rng.choice([0, 0, rng.randrange(1, 512)]), rng.randrange(0, 32)
+        model.observe(prefill, decodes, base + per_token * prefill + per_decode * decodes + rng.gauss(0, 0.002))
+    return model
+
+
+def test_the_fit_finds_the_cost_of_a_step():
+    base, per_token, per_decode = trained().theta
+    assert abs(base - 0.02) < 0.003 and abs(per_token - 0.0006) < 0.00003 and abs(per_decode - 0.001) < 0.0003
+
+
+def test_the_limit_fills_the_target_and_stretches_when_decodes_alone_are_slow():
+    model = trained()
+    decoding = 0.02 + 0.001 * 8                                   # 28 ms: 0.15 s leaves 122 ms for prefill
+    assert abs(model.prefill_limit(0.15, 8, 64, 2048) - (0.15 - decoding) / 0.0006) < 15
+    assert abs(model.prefill_limit(0.01, 8, 64, 2048) - (STRETCH - 1) * decoding / 0.0006) < 15
+    assert model.prefill_limit(0.15, 8, 64, 100) == 100                   # never above the step budget
+    assert trained(per_token=0.01).prefill_limit(0.05, 8, 64, 2048) == 64  # never below the floor
+
+
+def test_the_forgetting_fit_follows_a_host_that_slows_down():
+    model = trained()
+    rng = random.Random(1)
+    for _ in range(150):                                             # the host now runs at half speed
+        prefill, decodes = rng.randrange(0, 512), rng.randrange(0, 32)
+        model.observe(prefill, decodes, 2 * (0.02 + 0.0006 * prefill + 0.001 * decodes))
+    base, per_token, _ = model.theta
+    assert abs(per_token - 0.0012) < 0.0001 and abs(base - 0.04) < 0.008
+
+
+def test_a_young_fit_does_not_cut():
+    model = StepCostModel()
+    for _ in range(MIN_STEPS - 1):
+        model.observe(100, 4, 0.5)
+    assert model.prefill_limit(0.01, 4, 64, 2048) == 2048
+    decode_only = StepCostModel()
+    for _ in range(4 * MIN_STEPS):
+        decode_only.observe(0, 4, 0.03)                       # no prefill yet: the slope is unknown
+    assert decode_only.prefill_limit(0.01, 4, 64, 2048) == 2048
