@@ -119,7 +119,9 @@ FIELDS: dict[str, str] = {
     "function_call": "OpenAI's deprecated `tool_choice`",
     "audio": "OpenAI: audio output",
     "modalities": "OpenAI: output modalities",
-    "prediction": "OpenAI: predicted output",
+    "prediction": "OpenAI: predicted output (`{\"type\": \"content\", \"content\": \"...\"}`): speculative "
+                  "decoding drafts from it (output unchanged; greedy token for token); usage reports "
+                  "`accepted_prediction_tokens` and `rejected_prediction_tokens`",
     "web_search_options": "OpenAI: web search",
     "reasoning_effort": "OpenAI: a reasoning model's effort",
     "service_tier": "OpenAI: its processing tier",
