@@ -129,11 +129,12 @@ def test_the_reservation_counts_a_step_of_drafts_but_never_more_than_is_left():
     request = make_request("r", [1, 2, 3, 4], max_tokens=9)
     request.num_computed_tokens = 4
     request.append_output(5)
-    plain = reservation.blocks(request, 4, 4, 4)              # pending 1 + 0.5 * 7 left
-    request.num_lookahead_tokens = 4
-    assert plain == 2 and reservation.blocks(request, 4, 4, 4) == 3          # 1 + min(7, 4 + 4)
+    blocks = lambda: reservation.blocks(request, 4, 4, 1)      # blocks of one token: the counts are tokens
+    assert blocks() == 1 + 4                                  # pending 1 + 0.5 * 7 left to sample
+    request.num_lookahead_tokens = 2
+    assert blocks() == 1 + 2 + 4                              # and one step of drafts
     request.num_lookahead_tokens = 30
-    assert reservation.blocks(request, 4, 4, 4) == 2          # 1 + 7: never more than it may still sample
+    assert blocks() == 1 + 7                                  # never more than it may still sample
 
 
 def test_drafts_never_reach_a_cache_tier():
