@@ -25,7 +25,7 @@ from tests.scheduler.test_scheduler_state_machine import SchedulerMachine
 EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "1000")) // 2
 SPEC_STATES = ("all_accepted", "partly_accepted", "all_rejected", "rejection_within_block",
                "rejection_across_block", "drafts_refused_for_room", "abort_mid_speculation",
-               "preempt_mid_speculation", "preempted_by_scheduler_while_speculating")
+               "preempt_mid_speculation", "resumed_after_speculating")
 REACHED: Counter = Counter()
 
 
@@ -54,8 +54,10 @@ class SpeculativeMachine(SchedulerMachine):
         self.oracle.proposed.clear()
         output = step(self.scheduler, self.runner)
         self.observe(output)
-        if output.preempted and any(c.draft_token_ids for c in output.chunks):
-            reach("preempted_by_scheduler_while_speculating")
+        assert not (output.preempted and any(c.draft_token_ids for c in output.chunks)), \
+            "a step that preempted gave out drafts"
+        if any(c.request.num_preemptions and c.request.num_draft_tokens for c in output.chunks):
+            reach("resumed_after_speculating")       # preempted (by a rule or the scheduler) after drafts
 
     def observe(self, output):
         drafted = {c.request.request_id for c in output.chunks if c.draft_token_ids}
