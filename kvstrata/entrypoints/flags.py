@@ -63,7 +63,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", metavar="JSON", default=None,
                         help="speculative decoding, vLLM's fields: method (ngram: drafts from the request's own "
                              "prompt and output), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min "
-                             f"(default 5 each), disable_by_batch_size; e.g. '{SPECULATIVE_EXAMPLE}' "
+                             f"(5 each if unset), disable_by_batch_size; e.g. '{SPECULATIVE_EXAMPLE}' "
                              "(default: off; requests with an OpenAI `prediction` draft from it either way)")
 
 
