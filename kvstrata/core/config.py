@@ -12,6 +12,7 @@ flags, so the flags cannot drift from what exists.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8")
 POLICIES = ("fcfs", "priority", "lpm")
 WRITE_POLICIES = ("write_back", "write_through")
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 32
+SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
@@ -163,6 +167,64 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config JSON`, vLLM's field names): each step proposes up to
+    `num_speculative_tokens` draft tokens per request and verifies them in the same forward.
+
+    ngram (prompt lookup): the drafts are the tokens that followed the last occurrence of the
+    request's latest n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its own prompt
+    and output. Build it with `parse`, which fills vLLM's defaults and says what is wrong."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    disable_by_batch_size: int | None = None    # no drafts while this many requests or more are running
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the flag's JSON or `LLM(speculative_config=dict)`; None stays None (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc}); write e.g. "
+                                 f"'{SPECULATIVE_EXAMPLE}'") from None
+        _require(isinstance(value, dict), f"speculative_config must be a JSON object such as '{SPECULATIVE_EXAMPLE}'")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        _require(not unknown, f"speculative_config: unknown field(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(known)}")
+        _require("num_speculative_tokens" in value, "speculative_config needs num_speculative_tokens, e.g. "
+                                                   f"'{SPECULATIVE_EXAMPLE}'")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            number = value.get(name)
+            _require(number is None or (isinstance(number, int) and not isinstance(number, bool)),
+                     f"speculative_config: {name} must be an integer, not {number!r}")
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if low is None and high is None:            # vLLM's defaults
+            low = high = 5
+        values = dict(value, prompt_lookup_min=high if low is None else low, prompt_lookup_max=low if high is None
+                      else high)
+        return cls(**values).validate()
+
+    def validate(self) -> SpeculativeConfig:
+        _require(self.method in SPECULATIVE_METHODS, f"speculative_config: method must be one of "
+                                                     f"{', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
+        _require(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+                 f"speculative_config: num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
+                 f"not {self.num_speculative_tokens}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, not "
+                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        _require(self.disable_by_batch_size is None or self.disable_by_batch_size >= 2,
+                 "speculative_config: disable_by_batch_size must be at least 2")
+        return self
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server's own options; the engine never sees them."""
 
@@ -198,11 +260,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     audit_every_step: bool = _opt(False, "check block conservation and refcounts after every step")
+    speculative_config: SpeculativeConfig | None = None     # None: no speculation (predicted outputs still draft)
 
     def validate(self) -> EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        if self.speculative_config is not None:
+            self.speculative_config.validate()
         return self
 
     @classmethod
@@ -218,6 +283,8 @@ class EngineConfig:
             sections[name] = section_type(**{k: parse_size(v) if fields[k].metadata.get("size") else v
                                              for k, v in values.items()})
         top = {k: options.pop(k) for k in list(options) if k in {f.name for f in dataclasses.fields(cls)}}
+        if "speculative_config" in top:
+            top["speculative_config"] = SpeculativeConfig.parse(top["speculative_config"])
         if options:
             raise ValueError(f"unknown option(s): {', '.join(sorted(options))}")
         return cls(**sections, **top).validate()

@@ -37,6 +37,8 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     timeline: RequestTimeline | None = None      # on the last output: where the request's time went
+    num_draft_tokens: int = 0      # speculative draft tokens verified so far (OpenAI: accepted + rejected
+    num_accepted_draft_tokens: int = 0             # prediction tokens, when the drafts came from a prediction)
 
 
 def best_samples(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:

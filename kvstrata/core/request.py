@@ -62,6 +62,12 @@ class Request:
     family: SampleFamily | None = None              # the samples of one request that share its prefill
     sample_index: int = 0
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # sampling.bad_words as the tokenizer spells them
+    # Speculative decoding: at most this many draft tokens verified per step (0: none); drafted from
+    # `prediction_token_ids` (OpenAI predicted outputs) when given, else from the prompt and output.
+    num_lookahead_tokens: int = 0
+    prediction_token_ids: tuple[int, ...] = ()
+    num_draft_tokens: int = 0      # draft tokens verified so far
+    num_accepted_tokens: int = 0   # of them, accepted
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -106,6 +112,13 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.hasher.extend(self.block_hashes, self.token_ids)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first `num_output_tokens` outputs: a stop string ended a finished request inside
+        the tokens one speculative step appended, and those after it were never generated."""
+        assert self.is_finished, f"{self.request_id} is truncated while it still holds blocks"
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens:]
+        del self.block_hashes[self.num_tokens // self.hasher.block_size:]
 
 
 @dataclass(eq=False)

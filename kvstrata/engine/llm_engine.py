@@ -39,6 +39,7 @@ from kvstrata.kvcache.stores import open_store
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.loader import LoadedModel, load_model
+from kvstrata.scheduler.drafts import PREDICTION_LOOKAHEAD
 from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvstrata.structured.grammar import compile_grammar
 from kvstrata.worker.runner import ModelRunner, StepResult
@@ -84,7 +85,8 @@ class LLMEngine:
         mover = self.runner.buffers if faults is None else FaultyMover(self.runner.buffers, faults)
         self.tiers = TierManager(cache, self.runner.num_device_blocks, self.runner.num_host_blocks,
                                  store=self.store, mover=mover)
-        self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids,
+                                   speculative=config.speculative_config)
         self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
@@ -99,13 +101,15 @@ class LLMEngine:
         return self.prompts.chat_prompt(messages, tools)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
+                    priority: int = 0, arrival_time: float | None = None,
+                    prediction: str | Sequence[int] | None = None) -> Request:
         """Tokenize, validate and queue a request; ValueError (nothing queued) if it cannot run.
 
         `params.max_tokens` None means as many as the context leaves after the prompt. With n or
         best_of above 1 the request is a family of samples `{request_id}/{index}` sharing one
         prefill (see SampleFamily); its outputs carry `request_id` and their `index`. Returns the
-        request (a family's leader).
+        request (a family's leader). `prediction` (OpenAI predicted outputs: the text or token ids
+        the output is expected to be) is where its speculative drafts come from.
         """
         token_ids = self.prompts.encode(prompt)
         params = self._resolved(params or SamplingParams(), token_ids)
@@ -115,9 +119,11 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         num_samples = params.num_samples
         bad_words = self.prompts.bad_word_sequences(params.bad_words)
+        predicted = tuple(self.prompts.encode(prediction)) if prediction else ()
         samples = [Request(request_id if num_samples == 1 else f"{request_id}/{index}", token_ids,
                            params.for_sample(index) if num_samples > 1 else params, self.hasher,
-                           arrival_time=arrival, priority=priority, sample_index=index, bad_words_token_ids=bad_words)
+                           arrival_time=arrival, priority=priority, sample_index=index, bad_words_token_ids=bad_words,
+                           num_lookahead_tokens=self._lookahead(params, predicted), prediction_token_ids=predicted)
                    for index in range(num_samples)]
         if request_id in self._families or (num_samples > 1 and request_id in self._tracked):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -135,6 +141,15 @@ class LLMEngine:
             self._tracked[sample.request_id] = _Tracked(sample, detokenizer, request_id, params.logprobs is not None,
                                                         prompt_logprobs, RequestTimeline(arrival))
         return samples[0]
+
+    def _lookahead(self, params: SamplingParams, prediction: Sequence[int]) -> int:
+        """Draft tokens a request verifies per step: with --speculative-config or a prediction, unless
+        it asks for what verification does not give exactly (logprobs, structured output, n > 1)."""
+        spec = self.config.speculative_config
+        if (spec is None and not prediction) or params.logprobs is not None or params.structured is not None \
+                or params.num_samples > 1:
+            return 0
+        return spec.num_speculative_tokens if spec is not None else PREDICTION_LOOKAHEAD
 
     def _resolved(self, params: SamplingParams, token_ids: list[int]) -> SamplingParams:
         """`params` checked against this model, with max_tokens resolved; RequestRejected if they cannot run."""
@@ -202,11 +217,14 @@ class LLMEngine:
             result = self.runner.execute(output)
             self.stats.model_seconds += time.perf_counter() - executed
             self._timelines.step(self._timeline_of, output, self.scheduler, began, time.monotonic())
-            finished = self.scheduler.update(output, result.token_ids)
-            outputs = self._outputs(output, result, finished)
+            before = {c.request.request_id: c.request.num_output_tokens for c in output.chunks if c.sample}
+            finished = self.scheduler.update(output, result.token_ids, result.accepted)
+            self.stats.count_drafts({c.request.request_id: len(c.draft_token_ids) for c in output.chunks
+                                     if c.draft_token_ids}, result.accepted)
+            outputs = self._outputs(before, result, finished)
         except Exception as exc:
             return self._recover(exc, output)
-        self._account(output, started)
+        self._account(output, result.accepted, started)
         return outputs
 
     def _prefill_limit(self, decodes: int) -> int:
@@ -236,25 +254,33 @@ class LLMEngine:
             raise EngineDeadError(f"audit failed after a failed step ({exc!r}): {audit_error}") from audit_error
         return outputs
 
-    def _outputs(self, output: SchedulerOutput, result: StepResult, finished: list[Request]) -> list[RequestOutput]:
-        """Detokenize the sampled tokens, apply stop strings, and describe each request's progress."""
+    def _outputs(self, before: dict[str, int], result: StepResult, finished: list[Request]) -> list[RequestOutput]:
+        """Detokenize the tokens each request took this step (`before`: its outputs until then; a
+        speculative step's accepted drafts come first), apply stop strings, and describe its progress."""
         done = {r.request_id for r in finished}
         for request_id, (first, entries) in result.prompt_logprobs.items():
             scored = self._tracked[request_id].prompt_logprobs
             scored[first:first + len(entries)] = entries
         outputs = []
-        for request_id, token_id in result.token_ids.items():
+        for request_id in result.token_ids:
             tracked = self._tracked[request_id]
+            request = tracked.request
+            new = request.token_ids[request.num_prompt_tokens + before.get(request_id, 0):]
             if request_id in result.logprobs:
                 tracked.logprobs.append(result.logprobs[request_id])
                 tracked.cumulative_logprob += result.logprobs[request_id].logprob
-            if tracked.detokenizer.add(token_id) is not None:     # a stop string: "stop", even at the length limit
-                if request_id in done:
-                    tracked.request.status = RequestStatus.FINISHED_STOPPED
+            for index, token_id in enumerate(new):
+                if tracked.detokenizer.add(token_id) is None:
+                    continue
+                if request_id in done:       # a stop string: "stop", even at the length limit
+                    request.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
                     done.add(request_id)
-            outputs.append(self._output(tracked, [token_id]))
+                new = new[:index + 1]        # tokens a speculative step accepted after it were never generated
+                request.truncate_output(before.get(request_id, 0) + len(new))
+                break
+            outputs.append(self._output(tracked, new))
         return outputs
 
     def _output(self, tracked: _Tracked, new_token_ids: list[int]) -> RequestOutput:
@@ -278,19 +304,21 @@ class LLMEngine:
                              tracked.cumulative_logprob if tracked.logprobs else None,
                              list(request.prompt_token_ids) if first else None,
                              list(tracked.prompt_logprobs) if first and tracked.prompt_logprobs else None,
-                             tracked.timeline if finished else None)
+                             tracked.timeline if finished else None, request.num_draft_tokens,
+                             request.num_accepted_tokens)
 
     def _final_outputs(self) -> list[RequestOutput]:
         """The last output of every tracked request that has finished (each is reported once)."""
         return [self._output(tracked, []) for tracked in list(self._tracked.values()) if tracked.request.is_finished]
 
-    def _account(self, output: SchedulerOutput, started: float) -> None:
+    def _account(self, output: SchedulerOutput, accepted: dict[str, int], started: float) -> None:
         seconds = time.perf_counter() - started
         self.stats.count_step(seconds)
         if not output.is_empty:
             prefills = [c for c in output.chunks if c.start < c.request.num_prompt_tokens]
             self.step_cost.observe(sum(c.num_tokens for c in prefills), len(output.chunks) - len(prefills), seconds)
-        self.stats.generated_tokens += sum(chunk.sample + len(chunk.forks) for chunk in output.chunks)
+        self.stats.generated_tokens += sum(chunk.sample + len(chunk.forks) for chunk in output.chunks) \
+            + sum(accepted.values())
         step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses
         for request in (r for chunk in output.chunks for r in (chunk.request, *chunk.forks)):
             if request.first_scheduled_time is None:

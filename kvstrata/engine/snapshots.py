@@ -53,11 +53,29 @@ class EngineStats:
     schedule_seconds: float = 0.0      # of step_seconds: scheduling and admission
     model_seconds: float = 0.0         # of step_seconds: the model and the sampler
     step_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))   # per bucket, +inf last
+    # Speculative decoding (vLLM's spec_decode counters): steps with drafts, drafts, accepted drafts,
+    # and accepted drafts by position in their step (index 0: the first draft)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def count_step(self, seconds: float) -> None:
         self.steps += 1
         self.step_seconds += seconds
         self.step_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
+
+    def count_drafts(self, drafts: Mapping[str, int], accepted: Mapping[str, int]) -> None:
+        """One step's verification: `drafts` proposed and `accepted` of them, by request."""
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        for request_id, num_drafts in drafts.items():
+            num_accepted = accepted.get(request_id, 0)
+            self.spec_decode_num_drafts += 1
+            self.spec_decode_num_draft_tokens += num_drafts
+            self.spec_decode_num_accepted_tokens += num_accepted
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+            for position in range(num_accepted):
+                per_pos[position] += 1
 
 
 @dataclass(frozen=True)

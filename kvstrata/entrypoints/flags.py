@@ -11,7 +11,15 @@ import types
 import typing
 from collections.abc import Callable
 
-from kvstrata.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, format_size, parse_size
+from kvstrata.core.config import (
+    SPECULATIVE_EXAMPLE,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    format_size,
+    parse_size,
+)
 
 ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
 
@@ -52,8 +60,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         add_section_flags(parser, title, section)
     parser.add_argument("--audit-every-step", action="store_true",
                         help="check block conservation and refcounts after every step")
+    parser.add_argument("--speculative-config", metavar="JSON", default=None,
+                        help="speculative decoding, vLLM's fields: method (ngram: drafts from the request's own "
+                             "prompt and output), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min "
+                             f"(5 each if unset), disable_by_batch_size; e.g. '{SPECULATIVE_EXAMPLE}' "
+                             "(default: off; requests with an OpenAI `prediction` draft from it either way)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     options = {f.name: getattr(args, f.name) for _, section in ENGINE_SECTIONS for f in dataclasses.fields(section)}
-    return EngineConfig.from_options(audit_every_step=args.audit_every_step, **options)
+    return EngineConfig.from_options(audit_every_step=args.audit_every_step,
+                                     speculative_config=args.speculative_config, **options)

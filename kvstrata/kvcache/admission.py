@@ -63,7 +63,9 @@ class DecodeReservation:
     """Blocks kept free at admission for running requests to grow into.
 
     A request's future KV is its pending tokens (the rest of its prompt, the token just sampled)
-    plus `ratio` times the tokens it may still sample (clipped). The ratio starts at `init`, decays
+    plus `ratio` times the tokens it may still sample (clipped), plus, for a request that speculates,
+    the slots of one step's drafts (`num_lookahead_tokens`), never more than it may still sample.
+    The ratio starts at `init`, decays
     by `decay` per non-empty step to `floor`, and jumps back to `init` after a preemption: a
     preemption is the sign that the last admissions were too optimistic.
     """
@@ -94,7 +96,7 @@ class DecodeReservation:
         # The last token a request samples never needs KV, hence the - 1: at ratio 1 a request
         # alone in the pool reserves exactly what add_request checked it could ever need.
         decode_left = min(max(0, request.sampling.max_tokens - request.num_output_tokens - 1), self.clip_tokens)
-        future = pending + math.ceil(decode_left * self.ratio)
+        future = pending + min(decode_left, request.num_lookahead_tokens + math.ceil(decode_left * self.ratio))
         return max(0, math.ceil((future - (num_slots - num_tokens_with_kv)) / block_size))
 
 

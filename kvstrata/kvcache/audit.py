@@ -3,9 +3,14 @@
 A pool checks itself (conservation, states, the hash index) but cannot know who holds a block;
 that is counted here from the block tables, the samples' places and the load records, and passed
 to its `audit`. The announced hashes are checked against the tables they were announced from.
+
+The audit runs between steps, when no speculative step is in progress: no table holds a slot for a
+draft token, nor any block past those its request's known tokens fill.
 """
 
 from __future__ import annotations
+
+import math
 
 from kvstrata.core.hashing import BlockHash
 from kvstrata.core.request import RequestStatus
@@ -22,8 +27,12 @@ def pool_counts(device: BlockPool, host: BlockPool | None) -> dict[str, PoolCoun
 
 
 def audit_tiers(tables: BlockTables, orphans: list[LoadTransfer], device: BlockPool,
-                host: BlockPool | None) -> dict[str, PoolCounts]:
+                host: BlockPool | None, block_size: int) -> dict[str, PoolCounts]:
     """Check every pool against the block tables and transfer records; raise AuditError naming blocks."""
+    for rid, rb in tables.by_request.items():
+        assert rb.num_draft_tokens == 0, f"{rid} still holds {rb.num_draft_tokens} draft slots after its step"
+        assert len(rb.blocks) <= math.ceil(rb.request.num_tokens / block_size), \
+            f"{rid} holds {len(rb.blocks)} blocks for {rb.request.num_tokens} tokens"
     holders, in_flight, announced = _holdings(tables)
     for load in orphans:
         assert load.orphaned, "an orphaned load still names a request"

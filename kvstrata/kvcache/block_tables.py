@@ -22,12 +22,15 @@ class RequestBlocks:
     `block_ids` mirrors `blocks` as plain ints, kept in step, so handing the table to the runner
     every step costs nothing. Blocks [num_registered, num_announced) are full blocks of known
     tokens that the request is computing or loading: their hashes are in `BlockTables.computing`.
+    Inside a speculative step the last blocks may hold slots for `num_draft_tokens` draft tokens,
+    which are never announced (a draft has no hash) and are given back once verified.
     """
 
     request: Request
     blocks: list[Block]
     num_registered: int = 0
     load: LoadTransfer | None = None
+    num_draft_tokens: int = 0
     block_ids: list[int] = field(init=False)
     num_announced: int = field(init=False)
 
@@ -38,6 +41,13 @@ class RequestBlocks:
     def extend(self, blocks: list[Block]) -> None:
         self.blocks.extend(blocks)
         self.block_ids.extend(block.block_id for block in blocks)
+
+    def truncate(self, num_blocks: int) -> list[Block]:
+        """Drop the blocks past the first `num_blocks`, which must hold nothing announced; the dropped ones."""
+        assert self.num_announced <= num_blocks and self.load is None, "dropping announced or loading blocks"
+        dropped = self.blocks[num_blocks:]
+        del self.blocks[num_blocks:], self.block_ids[num_blocks:]
+        return dropped
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Growth and release: what happens to a request's device blocks between its admission and its end.
 
 It grows into more blocks as it computes (all or nothing, with no reserve: when that fails, the
-scheduler preempts), indexes each block once its every token has KV, gives its family's samples
+scheduler preempts), takes slots for a speculative step's draft tokens the same way and gives back
+those of rejected drafts after verification, indexes each block once its every token has KV, gives its family's samples
 their prompt (`fork`), and at the end gives every block back, tail first, so the least reusable end
 of a chain is evicted first.
 """
@@ -34,20 +35,32 @@ class Growth:
         self.moves = moves
         self.store_io = store_io
 
-    def grow(self, request: Request, num_new_tokens: int) -> bool:
-        """Give a request holding blocks room for `num_new_tokens` more tokens. All or nothing."""
+    def grow(self, request: Request, num_new_tokens: int, num_draft_tokens: int = 0) -> bool:
+        """Give a request holding blocks room for `num_new_tokens` more tokens and, in a speculative
+        step, `num_draft_tokens` drafts after them. All or nothing."""
         rb = self.tables[request.request_id]
-        needed = math.ceil((request.num_computed_tokens + num_new_tokens) / self.block_size) - len(rb.blocks)
-        if needed <= 0:
-            return True
-        got = self.device.allocate(needed)
-        if got is None:
-            return False
-        new_blocks, evicted = got
-        rb.extend(new_blocks)
-        self.tables.announce(rb)
-        self.write_back.offload_evicted(evicted)
+        assert rb.num_draft_tokens == 0 or num_draft_tokens == 0, f"{request.request_id} already holds drafts"
+        num_slots = request.num_computed_tokens + num_new_tokens + num_draft_tokens
+        needed = math.ceil(num_slots / self.block_size) - len(rb.blocks)
+        if needed > 0:
+            got = self.device.allocate(needed)
+            if got is None:
+                return False
+            new_blocks, evicted = got
+            rb.extend(new_blocks)
+            self.tables.announce(rb)            # full blocks of known tokens only: drafts have no hash
+            self.write_back.offload_evicted(evicted)
+        rb.num_draft_tokens = num_draft_tokens
         return True
+
+    def settle_drafts(self, request: Request) -> None:
+        """After verification (the accepted drafts are in the ledger and counted as computed): give
+        back every block past those the computed tokens fill, as if the rejected drafts never ran."""
+        rb = self.tables[request.request_id]
+        assert rb.num_draft_tokens > 0, f"{request.request_id} holds no draft slots"
+        rejected = rb.truncate(math.ceil(request.num_computed_tokens / self.block_size))
+        self.device.free(reversed(rejected))
+        rb.num_draft_tokens = 0
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks whose every token now has KV, so others can hit them."""

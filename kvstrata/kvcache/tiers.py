@@ -17,7 +17,8 @@ The rule (DESIGN.md §5), with every term counted before anything is taken:
                     filled last prompt block (none when the prompt fills its blocks exactly)
     reserve         decode growth of the requests already holding blocks (and of samples waiting to
                     fork), plus this request's own future beyond this chunk and, for a leader, each
-                    other sample's (see DecodeReservation)
+                    other sample's; a request that speculates counts the K slots of its drafts too
+                    (see DecodeReservation)
 
 A family is admitted whole: the leader's commit takes the copy blocks of every sample inside the
 same transaction, so the fork (`fork()`, after the step that samples the first tokens) never
@@ -25,6 +26,13 @@ waits for space: it adds one reference to each full prompt block and copies the 
 
 A plan records the pool epoch it was computed at; `commit` refuses a stale plan. Running requests
 grow with `grow()`, all or nothing and with no reserve: when it fails, the scheduler preempts.
+
+Speculative steps (DESIGN.md §2): a decode that verifies K draft tokens grows by 1 + K slots in the
+same all-or-nothing `grow()` (if that fails, the step decodes without drafts: drafts never preempt);
+after verification `settle_drafts()` frees every block past the accepted tokens, so a rejection that
+crosses a block boundary returns that block. A draft is not in the request's ledger until accepted:
+it has no hash, so its KV is never announced, indexed, offloaded, persisted or published. Release
+(abort, preemption) in the middle of the step returns the draft slots with everything else.
 
 One prefix is computed once: the full blocks a request holds but has not yet indexed (it is
 computing or loading them) are announced by hash; a waiting request whose next uncached block is
@@ -171,9 +179,14 @@ class TierManager:
         self.admission.commit(plan)
 
     # ---- growth and release (growth.py) ---------------------------------------------------------
-    def grow(self, request: Request, num_new_tokens: int) -> bool:
-        """Give a request holding blocks room for `num_new_tokens` more tokens. All or nothing."""
-        return self.growth.grow(request, num_new_tokens)
+    def grow(self, request: Request, num_new_tokens: int, num_draft_tokens: int = 0) -> bool:
+        """Give a request holding blocks room for `num_new_tokens` more tokens (and `num_draft_tokens`
+        draft slots after them in a speculative step). All or nothing."""
+        return self.growth.grow(request, num_new_tokens, num_draft_tokens)
+
+    def settle_drafts(self, request: Request) -> None:
+        """Give back the slots of a speculative step's rejected drafts, whole blocks past the computed tokens."""
+        self.growth.settle_drafts(request)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks whose every token now has KV, so others can hit them."""
@@ -212,7 +225,7 @@ class TierManager:
 
     def audit(self) -> dict[str, PoolCounts]:
         """Check every pool against the block tables and transfer records; raise AuditError naming blocks."""
-        return audit_tiers(self.tables, self.loads.orphans, self.device, self.host)
+        return audit_tiers(self.tables, self.loads.orphans, self.device, self.host, self.block_size)
 
     def snapshot(self, with_order: bool = True) -> tuple:
         return snapshot_tiers(self.tables, self.device, self.host, with_order)

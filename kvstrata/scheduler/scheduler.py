@@ -13,6 +13,19 @@ One token budget per step, no separate prefill and decode phases:
 Preempted requests keep their full blocks CACHED, so resuming usually re-hits them, and they
 resume before any new request. A request that could never fit is refused at `add_request`.
 
+Speculative decoding: once every running request has its tokens (and if nobody was preempted),
+each decode of a request with `num_lookahead_tokens` gets up to that many draft tokens
+(`DraftProposer`) after its last token, within the step budget and its own limits, so its chunk is
+1 + K tokens; admission comes after. The draft slots come from the same all-or-nothing `grow()`;
+when that fails the request decodes without drafts (a draft never preempts, nor takes a block
+another running request's token needs). `update` takes the accepted drafts
+and the token sampled after them into the ledger one by one, stopping where a stop condition does,
+then gives back the rejected drafts' slots (`settle_drafts`).
+
+    ledger:   [ ... t ]             chunk:  [ t d1 d2 d3 ]   K = 3 drafts, 4 rows of logits
+    verified: d1 accepted, d2 rejected: the ledger gets d1 and the token sampled in d2's place;
+              KV stays for t and d1, the slots of d2 and d3 are given back
+
 Families (n / best_of > 1, see `SampleFamily`): only the leader queues; its admission takes room
 for every sample, and the step that samples its first token forks the others, which run from then
 on as requests of their own. A family's samples rank side by side (index last), so preempting one
@@ -26,13 +39,14 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvstrata.core.config import SchedulerConfig
+from kvstrata.core.config import SchedulerConfig, SpeculativeConfig
 from kvstrata.core.errors import RequestRejected
 from kvstrata.core.request import Request, RequestStatus
 from kvstrata.kvcache.tiers import TierManager
+from kvstrata.scheduler.drafts import DraftProposer
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +63,7 @@ class ScheduledChunk:
     block_ids: list[int]       # the request's whole block table
     sample: bool               # the chunk reaches the last token: its logits pick the next one
     forks: tuple[Request, ...] = ()   # samples of the request's family that fork from these logits
+    draft_token_ids: tuple[int, ...] = ()   # the last len() of token_ids: drafts to verify (not in the ledger)
 
     @property
     def num_tokens(self) -> int:
@@ -70,10 +85,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, tiers: TierManager, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, config: SchedulerConfig, tiers: TierManager, eos_token_ids: Iterable[int] = (),
+                 speculative: SpeculativeConfig | None = None, proposer: DraftProposer | None = None):
         self.config = config
         self.tiers = tiers
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.proposer = proposer or DraftProposer.from_config(speculative)
+        self.disable_by_batch_size = speculative.disable_by_batch_size if speculative is not None else None
         self.requests: dict[str, Request] = {}      # every request not yet finished
         self.running: list[Request] = []
         self.loading: list[Request] = []            # admitted, waiting for store loads to land
@@ -196,9 +214,30 @@ class Scheduler:
             prefill_left -= num_new if pending > 1 else 0
             index += 1
         if not preempted:
+            if self.disable_by_batch_size is None or len(self.running) < self.disable_by_batch_size:
+                budget = self._add_drafts(chunks, budget)
             self._admit(min(budget, prefill_left), chunks)
         self.tiers.on_step(nonempty=bool(chunks))
         return SchedulerOutput(chunks, preempted)
+
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        """Give the decodes of requests that speculate draft tokens to verify, best ranked first, while
+        the budget lasts; the budget left. Each takes its draft slots in one all-or-nothing grow or
+        goes without: drafts come after every running request's own token, and never preempt."""
+        for index, chunk in enumerate(chunks):
+            request = chunk.request
+            if budget <= 0:
+                break
+            if not request.num_lookahead_tokens or chunk.num_tokens != 1 or not chunk.sample or chunk.forks:
+                continue
+            room = min(request.num_lookahead_tokens, budget,          # and never more than it may still
+                       request.sampling.max_tokens - request.num_output_tokens - 1,   # sample after the
+                       self.config.max_model_len - request.num_tokens - 1)            # token it samples anyway
+            drafts = self.proposer.propose(request, room) if room > 0 else []
+            if drafts and self.tiers.grow(request, 1, len(drafts)):
+                chunks[index] = self._chunk(request, 1, drafts)
+                budget -= len(drafts)
+        return budget
 
     def _victims(self, index: int) -> list[Request]:
         """The worst running request, with the samples of its family not yet scheduled in this step
@@ -266,24 +305,34 @@ class Scheduler:
             yield request
             assert self._waiting_key.get(request.request_id) != key, "heap head neither admitted nor refused"
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, drafts: Sequence[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
         forks = tuple(request.family.pending) if sample and request.family is not None else ()
-        return ScheduledChunk(request, start, request.token_ids[start:start + num_new],
-                              self.tiers.block_ids(request.request_id), sample=sample, forks=forks)
+        return ScheduledChunk(request, start, request.token_ids[start:start + num_new] + list(drafts),
+                              self.tiers.block_ids(request.request_id), sample=sample, forks=forks,
+                              draft_token_ids=tuple(drafts))
 
     # ---- after the step -------------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
-        """Record what the step computed and sampled; return the requests that finished."""
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int],
+               accepted: Mapping[str, int] | None = None) -> list[Request]:
+        """Record what the step computed and sampled (after `accepted[id]` of a request's drafts, if it
+        had any); return the requests that finished."""
         finished = []
         for chunk in output.chunks:
             request = chunk.request
-            if request.is_finished:        # aborted after it was scheduled
+            if request.status is not RequestStatus.RUNNING:     # aborted or preempted after it was scheduled
                 continue
-            request.num_computed_tokens += chunk.num_tokens
+            num_drafts = len(chunk.draft_token_ids)
+            request.num_computed_tokens += chunk.num_tokens - num_drafts
             if chunk.sample:
-                request.append_output(sampled[request.request_id])
+                num_accepted = (accepted or {}).get(request.request_id, 0)
+                assert num_accepted <= num_drafts, f"{request.request_id}: more drafts accepted than proposed"
+                request.num_draft_tokens += num_drafts
+                request.num_accepted_tokens += num_accepted
+                self._append(request, chunk.draft_token_ids[:num_accepted], sampled[request.request_id])
+            if num_drafts:
+                self.tiers.settle_drafts(request)
             self.tiers.cache_full_blocks(request)   # after the ledger: its copies fail without raising
             samples = [request] + self._fork(chunk, sampled)
             for sample in samples if chunk.sample else ():
@@ -292,6 +341,16 @@ class Scheduler:
                     self._finish(sample, status)
                     finished.append(sample)
         return finished
+
+    def _append(self, request: Request, drafts: Sequence[int], token: int) -> None:
+        """Take the accepted drafts (their KV is computed) and the token sampled after them into the
+        ledger, stopping at the first token that ends the request: later ones were never generated."""
+        for draft in drafts:
+            request.append_output(draft)
+            request.num_computed_tokens += 1
+            if self._stop_status(request) is not None:
+                return
+        request.append_output(token)
 
     def _fork(self, chunk: ScheduledChunk, sampled: Mapping[str, int]) -> list[Request]:
         """After the leader's last prompt token: its waiting samples take the prompt's blocks and

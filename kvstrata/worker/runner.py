@@ -24,6 +24,7 @@ from kvstrata.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from kvstrata.structured.grammar import GrammarMasker
 from kvstrata.worker.logprobs import token_logprobs
 from kvstrata.worker.sampler import Sampler
+from kvstrata.worker.speculative import verify
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,13 @@ def host_blocks_for(config: CacheConfig, spec: KVCacheSpec) -> int:
 @dataclass
 class StepResult:
     """What the model produced in one step, keyed by request id (only chunks that sample, and for
-    `prompt_logprobs`, chunks of a prompt that asked: (index of the first prompt token scored, entries))."""
+    `prompt_logprobs`, chunks of a prompt that asked: (index of the first prompt token scored, entries)).
+    A chunk with drafts: `accepted` of them came first, then `token_ids`."""
 
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprob]
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
 
 
 def prompt_logprob_positions(chunk: ScheduledChunk) -> range:
@@ -96,18 +99,25 @@ class ModelRunner:
         chunks = [decodes[i] for i in order] + [c for c in output.chunks if c.num_tokens != 1]
         batch = self.build_batch(chunks, groups)
         with torch.inference_mode():
-            logits = self.model(batch, self.kv)                              # (S + P, V) float32
-        sampling = [c.request for c in chunks if c.sample]
-        prompt_logprobs = self._prompt_logprobs(chunks, logits[len(sampling):])
-        logits = logits[:len(sampling)]
-        forks = [(row, sample) for row, c in enumerate(c for c in chunks if c.sample) for sample in c.forks]
+            logits = self.model(batch, self.kv)                              # (S + D + P, V) float32
+        sampled = [c for c in chunks if c.sample and not c.draft_token_ids]
+        drafted = [c for c in chunks if c.draft_token_ids]
+        num_drafted = sum(c.num_tokens for c in drafted)
+        prompt_logprobs = self._prompt_logprobs(chunks, logits[len(sampled) + num_drafted:])
+        verdicts = verify(self.sampler, logits[len(sampled):len(sampled) + num_drafted],
+                          [c.request for c in drafted], [c.draft_token_ids for c in drafted]) if drafted else []
+        logits = logits[:len(sampled)]
+        sampling = [c.request for c in sampled]
+        forks = [(row, sample) for row, c in enumerate(sampled) for sample in c.forks]
         if forks:       # a family's other samples draw their first token from the leader's logits
             logits = torch.cat([logits, logits[[row for row, _ in forks]]])                 # (S + F, V)
             sampling += [sample for _, sample in forks]
         result = self.sampler(logits, sampling)
         ids = [r.request_id for r in sampling]
-        return StepResult(dict(zip(ids, result.token_ids)),
-                          {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}, prompt_logprobs)
+        token_ids = dict(zip(ids, result.token_ids))
+        token_ids.update((c.request.request_id, v.token_id) for c, v in zip(drafted, verdicts))
+        return StepResult(token_ids, {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None},
+                          prompt_logprobs, {c.request.request_id: v.num_accepted for c, v in zip(drafted, verdicts)})
 
     @staticmethod
     def _prompt_logprobs(chunks: list[ScheduledChunk], logits: torch.Tensor
@@ -144,8 +154,12 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
         slots = tables[seq_of_token, positions // size] * size + positions % size
         input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(lengths.sum()))
-        logits_rows = [int(query_start[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample]
-        logits_rows += [int(query_start[i]) + p - c.start for i, c in enumerate(chunks)   # after the sampled rows
+        # Rows whose logits come back: chunks that sample (their last row), then chunks with drafts
+        # (every row), then prompt logprobs.
+        logits_rows = [int(query_start[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample and not c.draft_token_ids]
+        logits_rows += [row for i, c in enumerate(chunks) if c.draft_token_ids
+                        for row in range(int(query_start[i]), int(query_start[i + 1]))]
+        logits_rows += [int(query_start[i]) + p - c.start for i, c in enumerate(chunks)
                         for p in prompt_logprob_positions(c)]
         to = lambda a: torch.from_numpy(a).to(self.device)                 # noqa: E731
         return ForwardBatch(

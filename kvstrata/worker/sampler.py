@@ -193,16 +193,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: (S, V) float32, row i belongs to requests[i]."""
-        assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
         params = [r.sampling for r in requests]
-        processed = logits
-        if any(_needs_penalties(r, self.eos_token_ids) for r in requests):
-            processed = apply_penalties(logits, requests, self.eos_token_ids)
-        if any(r.constrains_tokens for r in requests):
-            processed = apply_token_constraints(processed if processed is not logits else logits.clone(), requests)
-        if self.grammars is not None:       # after penalties, before the greedy/random split; raw logprobs stay
-            processed = self.grammars.mask(processed, requests, in_place=processed is not logits)
-
+        processed = self.process(logits, requests)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
             tokens = processed.argmax(dim=-1)                                              # (S,)
@@ -223,6 +215,28 @@ class Sampler:
                 logprobs[i] = entry
         return SamplerOutput(token_ids, logprobs)
 
+    def process(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Penalties, token constraints and grammars: the logits greedy rows take the argmax of and random
+        rows filter; `logits` itself is left alone (logprobs are read from it)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
+        processed = logits
+        if any(_needs_penalties(r, self.eos_token_ids) for r in requests):
+            processed = apply_penalties(logits, requests, self.eos_token_ids)
+        if any(r.constrains_tokens for r in requests):
+            processed = apply_token_constraints(processed if processed is not logits else logits.clone(), requests)
+        if self.grammars is not None:       # after penalties, before the greedy/random split; raw logprobs stay
+            processed = self.grammars.mask(processed, requests, in_place=processed is not logits)
+        return processed
+
+    def generator_for(self, request: Request, device: torch.device) -> torch.Generator:
+        """The generator one draw of `request` takes its randomness from: the shared one, or for a seeded
+        request one seeded with (seed, outputs so far)."""
+        if request.sampling.seed is None:
+            return self._generator(self._shared, device, self._seed)
+        generator = self._generator(self._seeded, device, 0)
+        generator.manual_seed(row_seed(request.sampling.seed, request.num_output_tokens))
+        return generator
+
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """One token per row: the exponential race over the filtered probs."""
         probs = apply_filters(logits, [r.sampling for r in requests]).softmax(dim=-1)     # (R, V)
@@ -238,9 +252,8 @@ class Sampler:
             _on_rows(noise, unseeded, lambda x: x.exponential_(generator=shared))
         for j, request in enumerate(requests):
             if request.sampling.seed is not None:
-                generator = self._generator(self._seeded, device, 0)
-                generator.manual_seed(row_seed(request.sampling.seed, request.num_output_tokens))
-                noise[j] = torch.empty(vocab_size, device=device).exponential_(generator=generator)
+                noise[j] = torch.empty(vocab_size, device=device).exponential_(
+                    generator=self.generator_for(request, device))
         # Exp(1) can round to 0; then a cut token's 0 / 0 would be NaN, which argmax picks.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 

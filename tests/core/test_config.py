@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from kvstrata.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from kvstrata.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from kvstrata.core.sampling_params import SamplingParams
 
 
@@ -47,3 +47,25 @@ def test_parse_size():
     assert parse_size("1000") == 1000
     with pytest.raises(ValueError, match="cannot read"):
         parse_size("lots")
+
+
+def test_speculative_config_takes_vllm_fields_and_defaults():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (4, 3, 3)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).prompt_lookup_min == 5
+    options = EngineConfig.from_options(speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                                            "prompt_lookup_max": 4})
+    assert options.speculative_config == SpeculativeConfig("ngram", 3, 4, 2)
+    assert EngineConfig.from_options().speculative_config is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{", "not valid JSON"), ("[4]", "must be a JSON object"), ({}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 0}, "between 1 and"), ({"num_speculative_tokens": 2, "model": "x"}, "unknown field"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min <="),
+    ({"num_speculative_tokens": "4"}, "must be an integer"),
+])
+def test_speculative_config_explains_the_problem(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)

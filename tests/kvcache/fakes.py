@@ -4,7 +4,9 @@
 through the block table, and checks that every position a chunk attends to holds the
 request's real token. A block served from cache with the wrong content, or overwritten
 while still in use, fails the step. The next token is a hash of the whole context, so
-any difference in what the model "saw" changes the output.
+any difference in what the model "saw" changes the output. A chunk with draft tokens is verified
+greedily, as the real sampler does: the drafts up to the first the "model" disagrees with are
+accepted (`accepted`), then comes the token it would have picked.
 
 `FakeMover`, `FakeStore`, `ManualExecutor` and `FakeClock` stand in for the lower tiers: a store
 call answers only when a test says so, and may fail, hang or answer with the wrong record. `drive`
@@ -37,9 +39,11 @@ class FakeRunner:
         self.block_size = block_size
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.num_steps = 0
+        self.accepted: dict[str, int] = {}      # the last step's accepted drafts, by request
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         sampled = {}
+        self.accepted = {}
         size = self.block_size
         for chunk in output.chunks:
             table = np.asarray(chunk.block_ids, dtype=np.int64)
@@ -48,12 +52,17 @@ class FakeRunner:
             self.kv[table[new_pos // size], new_pos % size] = chunk.token_ids
             context_pos = np.arange(chunk.start + chunk.num_tokens)
             seen = self.kv[table[context_pos // size], context_pos % size]
-            expected = np.asarray(chunk.request.token_ids[:len(context_pos)])
+            expected = np.asarray((chunk.request.token_ids + list(chunk.draft_token_ids))[:len(context_pos)])
             bad = np.nonzero(seen != expected)[0]
             assert not len(bad), (f"{chunk.request.request_id}: KV at positions {bad[:8].tolist()} "
                                   f"holds {seen[bad[:8]].tolist()}, expected {expected[bad[:8]].tolist()}")
             if chunk.sample:
-                sampled[chunk.request.request_id] = next_token(seen)
+                drafts = chunk.draft_token_ids
+                known = len(seen) - len(drafts)
+                accepted = next((i for i, d in enumerate(drafts) if next_token(seen[:known + i]) != d), len(drafts))
+                sampled[chunk.request.request_id] = next_token(seen[:known + accepted])
+                if drafts:
+                    self.accepted[chunk.request.request_id] = accepted
                 for sample in chunk.forks:       # each sample of a family draws its own first token
                     sampled[sample.request_id] = (next_token(seen) + sample.sample_index) % VOCAB
         self.num_steps += 1
@@ -63,6 +72,27 @@ class FakeRunner:
 def next_token(context: np.ndarray) -> int:
     weights = np.arange(1, len(context) + 1, dtype=np.int64)
     return int((int(np.dot(context, weights)) * 2654435761 + len(context)) % VOCAB)
+
+
+class OracleProposer:
+    """Drafts for the fake model that are right up to a chosen point: the FakeRunner's own greedy
+    continuation, with the token at `wrong_at(request, k)` changed (None: all right), so a test
+    decides how many drafts each step accepts. Records each request's last proposal."""
+
+    def __init__(self, wrong_at: Callable[[Request, int], int | None]):
+        self.wrong_at = wrong_at
+        self.proposed: dict[str, list[int]] = {}
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        context = list(request.token_ids)
+        for _ in range(k):
+            context.append(next_token(np.asarray(context)))
+        draft = context[request.num_tokens:]
+        wrong = self.wrong_at(request, k)
+        if wrong is not None and wrong < k:
+            draft[wrong] = (draft[wrong] + 1) % VOCAB
+        self.proposed[request.request_id] = draft
+        return draft
 
 
 HASHER = BlockHasher.create(4, "fake-model")
@@ -104,7 +134,7 @@ def step(scheduler: Scheduler, runner: FakeRunner,
     """One engine step with the fake model, audited."""
     output = scheduler.schedule(prefill_limit)
     assert output.num_tokens <= scheduler.config.max_num_batched_tokens
-    scheduler.update(output, runner.execute(output))
+    scheduler.update(output, runner.execute(output), runner.accepted)
     scheduler.audit()
     return output
 

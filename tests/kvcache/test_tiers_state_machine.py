@@ -8,10 +8,13 @@ bad load or a failed copy can never be served). Teardown: no USED or IN_FLIGHT b
 
 A property test proves only what it reaches: each run counts the hard states it hit (requests
 LOADING, orphaned loads, host and store hits, write-backs, write-throughs, each kind of fault)
-and fails if any count is zero.
+and fails if any count is zero. The same machine runs again with every request speculating (drafts
+from the fake model's own continuation, wrong from a random position on), so speculative steps
+meet loads, offloads, preemptions, aborts and faults.
 """
 
 import os
+import random
 from collections import Counter
 
 import pytest
@@ -27,7 +30,7 @@ from hypothesis.stateful import (
 )
 
 from kvstrata.kvcache.faults import FaultInjector
-from tests.kvcache.fakes import drain, make_request, make_tiered_scheduler, step
+from tests.kvcache.fakes import OracleProposer, drain, make_request, make_tiered_scheduler, step
 
 EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "500"))
 STEPS = 40
@@ -36,10 +39,12 @@ PREFIXES = [[16 * k + j for j in range(12)] for k in range(5)] + [list(range(1, 
 HARD_STATES = ("loading", "orphaned_load", "host_hit", "store_hit", "write_back", "write_through",
                "store_write", "fault_copy", "fault_encode", "fault_decode", "store_error", "store_timeout",
                "bad_record", "step_with_loading_and_running")
+SPEC_STATES = ("drafts_accepted", "drafts_rejected")
 
 
-def tiered_machine(reached: Counter) -> type[RuleBasedStateMachine]:
-    """The machine class, counting into `reached` the hard states its runs hit."""
+def tiered_machine(reached: Counter, lookahead: int = 0) -> type[RuleBasedStateMachine]:
+    """The machine class, counting into `reached` the hard states its runs hit; with `lookahead`, every
+    request verifies up to that many drafts a step."""
 
     class TieredMachine(RuleBasedStateMachine):
         @initialize(num_blocks=st.integers(6, 12), num_host_blocks=st.integers(0, 6), budget=st.integers(2, 16),
@@ -52,12 +57,17 @@ def tiered_machine(reached: Counter) -> type[RuleBasedStateMachine]:
                 reserve_ratio_init=0.3, reserve_ratio_min=0.1, faults=self.faults)
             self.write_policy = write_policy
             self.next_id = 0
+            rng = random.Random(num_blocks * 100 + budget)
+            self.scheduler.proposer = OracleProposer(lambda request, k: rng.randint(0, k))
+            self.made = []
 
         @rule(prefix=st.sampled_from(PREFIXES), cut=st.sampled_from([3, 4, 8, 12, 12]),
               suffix=st.lists(st.integers(0, 9), max_size=3), max_tokens=st.integers(1, 6))
         def add_request(self, prefix, cut, suffix, max_tokens):
             request = make_request(f"r{self.next_id}", prefix[:cut] + suffix, max_tokens=max_tokens,
                                    arrival=float(self.next_id))
+            request.num_lookahead_tokens = lookahead
+            self.made.append(request)
             self.next_id += 1
             try:
                 self.scheduler.add_request(request)
@@ -167,7 +177,9 @@ def tiered_machine(reached: Counter) -> type[RuleBasedStateMachine]:
             self.faults.fail_at.clear()
             drain(self.scheduler, self.runner, self.executor, clock=self.clock)
             stats = self.scheduler.tiers.stats
+            accepted = sum(r.num_accepted_tokens for r in self.made)
             for state, count in (
+                    ("drafts_accepted", accepted), ("drafts_rejected", sum(r.num_draft_tokens for r in self.made) - accepted),
                     ("orphaned_load", stats.orphaned_loads), ("host_hit", stats.loaded_blocks["host"]),
                     ("store_hit", stats.loaded_blocks["store"]), ("store_write", stats.offloaded_blocks["store"]),
                     ("fault_copy", stats.faults.get("copy", 0)), ("fault_encode", stats.faults.get("encode", 0)),
@@ -183,9 +195,9 @@ def tiered_machine(reached: Counter) -> type[RuleBasedStateMachine]:
     return TieredMachine
 
 
-def run_machine(examples: int, steps: int) -> Counter:
+def run_machine(examples: int, steps: int, lookahead: int = 0) -> Counter:
     reached: Counter = Counter()
-    run_state_machine_as_test(tiered_machine(reached), settings=settings(
+    run_state_machine_as_test(tiered_machine(reached, lookahead), settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
     return reached
@@ -196,6 +208,13 @@ def test_tiers_keep_their_books_under_faults_and_reach_every_hard_state():
     print("hard states reached (runs or steps):", dict(sorted(reached.items())))
     missing = [state for state in HARD_STATES if not reached[state]]
     assert not missing, f"the state machine never reached {missing}: it proves nothing about them"
+
+
+def test_speculative_steps_keep_the_books_of_every_tier_under_faults():
+    reached = run_machine(EXAMPLES // 2, STEPS, lookahead=4)
+    print("hard states reached with speculation (runs or steps):", dict(sorted(reached.items())))
+    missing = [state for state in HARD_STATES + SPEC_STATES if not reached[state]]
+    assert not missing, f"the speculative machine never reached {missing}: it proves nothing about them"
 
 
 @pytest.mark.slow

@@ -33,7 +33,8 @@ from kvstrata.entrypoints.openai.responses.store import MAX_STORED_RESPONSES
 from kvstrata.entrypoints.openai.routes import router
 
 BODIES: tuple[type[BaseModel], ...] = (protocol.SamplingBody, protocol.ChatRequest, protocol.CompletionRequest,
-                                       protocol.ChatMessage, protocol.StreamOptions, protocol.TokenizeRequest,
+                                       protocol.ChatMessage, protocol.StreamOptions, protocol.Prediction,
+                                       protocol.TokenizeRequest,
                                        protocol.DetokenizeRequest, responses_protocol.ResponsesRequest,
                                        responses_protocol.ResponsesStreamOptions)
 # The fields each body refuses unless left at null or the value given.
@@ -119,7 +120,11 @@ FIELDS: dict[str, str] = {
     "function_call": "OpenAI's deprecated `tool_choice`",
     "audio": "OpenAI: audio output",
     "modalities": "OpenAI: output modalities",
-    "prediction": "OpenAI: predicted output",
+    "prediction": "OpenAI's predicted output (Prediction, below): speculative decoding drafts from it; the "
+                  "output does not change; usage reports `accepted_prediction_tokens` and "
+                  "`rejected_prediction_tokens`",
+    "Prediction.type": '`"content"`, the only kind',
+    "Prediction.content": 'the text the output is expected to be, or `{"type": "text", "text"}` parts',
     "web_search_options": "OpenAI: web search",
     "reasoning_effort": "OpenAI: a reasoning model's effort",
     "service_tier": "OpenAI: its processing tier",

@@ -45,15 +45,23 @@ class OutputShape:
     token_ids_as_text: bool         # vLLM's return_tokens_as_token_ids
     echo_logprobs: bool             # a completion's logprobs start with the prompt's
     prompt_logprobs: bool           # vLLM's `prompt_logprobs` field, beside the choice
+    predicted: bool = False         # OpenAI predicted outputs: usage counts its accepted and rejected tokens
 
 
-def usage(finals: Sequence[RequestOutput], jobs: Sequence[Job], hide_output: bool) -> dict:
-    """Each prompt once (its samples share it), the completion tokens of every returned sample."""
+def usage(finals: Sequence[RequestOutput], jobs: Sequence[Job], shape: OutputShape) -> dict:
+    """Each prompt once (its samples share it), the completion tokens of every returned sample; with a
+    prediction, its draft tokens the model accepted and rejected (OpenAI's completion_tokens_details)."""
     prompt = sum(job.first.num_prompt_tokens for job in jobs)
     cached = sum(job.first.num_cached_tokens for job in jobs)
-    completion = 0 if hide_output else sum(out.num_output_tokens for out in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    completion = 0 if shape.hide_output else sum(out.num_output_tokens for out in finals)
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+    if shape.predicted:
+        accepted = sum(out.num_accepted_draft_tokens for out in finals)
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": sum(out.num_draft_tokens for out in finals) - accepted}
+    return body
 
 
 def _token(state: ServerState, shape: OutputShape, token_id: int) -> str:
@@ -130,7 +138,7 @@ def full_response(state: ServerState, jobs: Sequence[Job], samples: list[list[li
         choices += [_choice(state, shape, job, final) for final in kept]
     kind = "chat.completion" if shape.chat else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": state.model_name,
-            "choices": choices, "usage": usage(finals, jobs, shape.hide_output)}
+            "choices": choices, "usage": usage(finals, jobs, shape)}
 
 
 def _joined(outputs: list[RequestOutput]) -> RequestOutput:
@@ -191,7 +199,7 @@ async def sse(state: ServerState, jobs: Sequence[Job], rest: AsyncIterator[tuple
             error = {"message": STEP_FAILED, "type": ERROR_TYPES[500], "param": None, "code": "engine_step_failed"}
             yield f"data: {json.dumps({'error': error})}\n\n"
         if include_usage:
-            yield event([], usage(latest, jobs, shape.hide_output))
+            yield event([], usage(latest, jobs, shape))
         yield "data: [DONE]\n\n"
     finally:
         await rest.aclose()

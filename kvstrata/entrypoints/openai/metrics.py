@@ -114,6 +114,19 @@ class EngineCollector(Collector):
         device = snapshot.blocks["device"]
         usage.add_metric(model, (device.used + device.in_flight) / max(1, device.total))
         yield usage
+        run = snapshot.engine
+        for name, documentation, value in (
+                ("drafts", "Speculative steps of a request (each verifies its draft tokens)", run.spec_decode_num_drafts),
+                ("draft_tokens", "Draft tokens verified", run.spec_decode_num_draft_tokens),
+                ("accepted_tokens", "Draft tokens accepted", run.spec_decode_num_accepted_tokens)):
+            family = CounterMetricFamily(f"kvstrata_spec_decode_num_{name}", documentation, labels=labels)
+            family.add_metric(model, value)
+            yield family
+        per_pos = CounterMetricFamily("kvstrata_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, "
+                                      "by position in their step (0: the first draft)", labels=[*labels, "position"])
+        for position, value in enumerate(run.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
 
 
 def _by_label(name: str, documentation: str, label: str, values: dict[str, int]) -> CounterMetricFamily:

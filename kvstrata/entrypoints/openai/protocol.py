@@ -21,7 +21,7 @@ COMPLETION_MAX_TOKENS = 16      # /v1/completions without max_tokens, as OpenAI 
 # Defined by the OpenAI API, not implemented here: a request that sets one to a non-default value gets 400.
 UNSUPPORTED = {
     "suffix": None,
-    "functions": None, "function_call": None, "audio": None, "modalities": None, "prediction": None,
+    "functions": None, "function_call": None, "audio": None, "modalities": None,
     "web_search_options": None, "reasoning_effort": None, "service_tier": None, "store": None,
     "metadata": None,
 }
@@ -46,6 +46,21 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class Prediction(OpenAIModel):
+    """OpenAI predicted outputs: text the output is expected to be (mostly), where speculative decoding
+    takes its drafts from."""
+
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        if not all(part.get("type") == "text" and isinstance(part.get("text"), str) for part in self.content):
+            raise ApiError(400, "prediction: only text content parts are supported", param="prediction")
+        return "".join(part["text"] for part in self.content)
 
 
 class SamplingBody(OpenAIModel):
@@ -93,7 +108,7 @@ class SamplingBody(OpenAIModel):
     function_call: Any = None
     audio: Any = None
     modalities: list[str] | None = None
-    prediction: Any = None
+    prediction: Prediction | None = None              # drafts for speculative decoding (see Prediction)
     web_search_options: Any = None
     reasoning_effort: str | None = None
     service_tier: str | None = None

@@ -19,6 +19,7 @@ from kvstrata.entrypoints.openai.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SamplingBody,
     TokenizeRequest,
     chat_messages,
 )
@@ -131,7 +132,8 @@ async def chat(body: ChatRequest, request: Request):
                         body.continue_final_message)
     # vLLM's chat echo: the reply is shown after the last message when that one is the assistant's own
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
-    return await respond(state, request, body, Generation([prompt], [echo], max_tokens, logprobs, True, tools))
+    return await respond(state, request, body, Generation([prompt], [echo], max_tokens, logprobs, True, tools,
+                                                          _prediction(body)))
 
 
 @router.post("/v1/completions")
@@ -146,4 +148,9 @@ async def completions(body: CompletionRequest, request: Request):
         raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts times n)", param="prompt")
     echoes = [(p if isinstance(p, str) else state.prompts.decode(p)) if body.echo else "" for p in prompts]
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    return await respond(state, request, body, Generation(prompts, echoes, max_tokens, body.logprobs, False))
+    return await respond(state, request, body, Generation(prompts, echoes, max_tokens, body.logprobs, False,
+                                                          prediction=_prediction(body)))
+
+
+def _prediction(body: SamplingBody) -> str | None:
+    return body.prediction.text() if body.prediction is not None else None

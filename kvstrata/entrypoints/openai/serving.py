@@ -38,6 +38,7 @@ class Generation:
     logprobs: int | None
     chat: bool
     tools: ToolPlan | None = None
+    prediction: str | None = None       # OpenAI predicted outputs: the drafts' source
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -76,11 +77,11 @@ async def respond(state: ServerState, request: Request, body: SamplingBody, gene
     for index, (prompt, echo) in enumerate(zip(generation.prompts, generation.echoes)):
         engine_id = request_id if len(generation.prompts) == 1 else f"{request_id}-{index}"
         jobs.append(Job(index, echo, RequestTracker(state, arrival, engine_id, params.num_samples),
-                        state.engine.generate(prompt, params, engine_id, body.priority)))
+                        state.engine.generate(prompt, params, engine_id, body.priority, generation.prediction)))
     await _first_outputs(jobs, chat, body)
     shape = OutputShape(chat, params.n, generation.tools, generation.max_tokens == 0, body.return_tokens_as_token_ids,
                         echo_logprobs=body.echo and generation.logprobs is not None and not chat,
-                        prompt_logprobs=body.prompt_logprobs is not None)
+                        prompt_logprobs=body.prompt_logprobs is not None, predicted=generation.prediction is not None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
         return StreamingResponse(sse(state, jobs, _merged(jobs), request_id, shape, include_usage),

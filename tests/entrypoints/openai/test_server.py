@@ -213,3 +213,31 @@ def test_concurrent_streams_with_disconnects_leak_nothing(server):
     metrics = scrape(base)
     assert metrics['kvstrata_requests_finished_total{model_name="SmolLM2-135M-Instruct",outcome="abort"}'] >= 1
     assert metrics["kvstrata_audit_failures_total"] == 0
+
+
+def test_predicted_outputs_change_nothing_but_the_usage(client):
+    chat = dict(model=MODEL, max_tokens=32, temperature=0,
+                messages=[{"role": "user", "content": "Repeat this line exactly: the quick brown fox jumps over "
+                                                      "the lazy dog, and the cat sleeps."}])
+    plain = client.chat.completions.create(**chat)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details is None
+    predicted = client.chat.completions.create(prediction={"type": "content", "content": text}, **chat)
+    assert predicted.choices[0].message.content == text
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= predicted.usage.completion_tokens // 2
+    wrong = client.chat.completions.create(prediction={"type": "content", "content": "Nothing like it at all."},
+                                           stream=True, stream_options={"include_usage": True}, **chat)
+    chunks = list(wrong)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens < details.accepted_prediction_tokens
+    completion = dict(model=MODEL, prompt="Count: one, two, three, four,", max_tokens=12, temperature=0)
+    expected = client.completions.create(**completion).choices[0].text
+    again = client.completions.create(extra_body={"prediction": {"type": "content", "content": expected}}, **completion)
+    assert again.choices[0].text == expected
+
+
+def test_a_bad_prediction_is_a_400(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       prediction={"type": "audio", "content": "x"})

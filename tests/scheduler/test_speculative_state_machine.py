@@ -1,0 +1,107 @@
+"""Property test: speculative steps among the scheduler machine's traffic never break the books.
+
+The scheduler's state machine (test_scheduler_state_machine: plain traffic, crowds, aborts,
+preemptions, priority changes) where every request speculates: its drafts are the fake model's own
+continuation, wrong from a random position on (or all right), so steps accept every length of draft,
+reject within a block and across a block boundary, and reject everything. Rules also abort or
+preempt a request in the middle of its speculative step (after schedule, before update). After
+every rule the scheduler's and the pools' audits pass (no draft slot outlives its step, no table
+holds a block past its known tokens), the fake runner checks every KV position a step reads, and at
+teardown everything drains to FREE or CACHED. Each run counts the states it reached and fails on a zero.
+"""
+
+import math
+import os
+import random
+from collections import Counter
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule, run_state_machine_as_test
+
+from tests.kvcache.fakes import OracleProposer, step
+from tests.scheduler.test_scheduler_state_machine import SchedulerMachine
+
+EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "1000")) // 2
+SPEC_STATES = ("all_accepted", "partly_accepted", "all_rejected", "rejection_within_block",
+               "rejection_across_block", "drafts_refused_for_room", "abort_mid_speculation",
+               "preempt_mid_speculation", "resumed_after_speculating")
+REACHED: Counter = Counter()
+
+
+def reach(state: str) -> None:
+    event(state)
+    REACHED[state] += 1
+
+
+class SpeculativeMachine(SchedulerMachine):
+    @initialize(seed=st.integers(0, 2**32 - 1), lookahead=st.integers(1, 6))
+    def speculate(self, seed, lookahead):
+        rng = random.Random(seed)
+        self.oracle = OracleProposer(lambda request, k: rng.randint(0, k))    # k: every draft right
+        self.lookahead = lookahead
+
+    def arrive(self, make, prompt, **options):
+        def speculating(*args, **kwargs):
+            request = make(*args, **kwargs)
+            request.num_lookahead_tokens = self.lookahead
+            return request
+        return super().arrive(speculating, prompt, **options)
+
+    @rule()
+    def step(self):
+        self.scheduler.proposer = self.oracle
+        self.oracle.proposed.clear()
+        output = step(self.scheduler, self.runner)
+        self.observe(output)
+        assert not (output.preempted and any(c.draft_token_ids for c in output.chunks)), \
+            "a step that preempted gave out drafts"
+        if any(c.request.num_preemptions and c.request.num_draft_tokens for c in output.chunks):
+            reach("resumed_after_speculating")       # preempted (by a rule or the scheduler) after drafts
+
+    def observe(self, output):
+        drafted = {c.request.request_id for c in output.chunks if c.draft_token_ids}
+        if set(self.oracle.proposed) - drafted:
+            reach("drafts_refused_for_room")
+        for chunk in output.chunks:
+            drafts = len(chunk.draft_token_ids)
+            if not drafts:
+                continue
+            accepted = self.runner.accepted[chunk.request.request_id]
+            reach("all_accepted" if accepted == drafts else "all_rejected" if accepted == 0 else "partly_accepted")
+            if accepted < drafts:
+                end, kept = chunk.start + chunk.num_tokens, chunk.start + 1 + accepted
+                same = math.ceil(end / self.block_size) == math.ceil(kept / self.block_size)
+                reach("rejection_within_block" if same else "rejection_across_block")
+
+    @precondition(lambda self: self.scheduler.running)
+    @rule(data=st.data(), abort=st.booleans())
+    def end_one_mid_step(self, data, abort):
+        """Schedule, then abort or preempt a request the step computes (one with drafts if any), then run it."""
+        self.scheduler.proposer = self.oracle
+        output = self.scheduler.schedule()
+        chunks = [c for c in output.chunks if c.draft_token_ids] or output.chunks
+        if chunks:
+            chunk = data.draw(st.sampled_from(chunks))
+            if chunk.draft_token_ids:
+                reach("abort_mid_speculation" if abort else "preempt_mid_speculation")
+            if abort:
+                self.scheduler.finish(chunk.request.request_id)
+            else:
+                self.scheduler.preempt(chunk.request.request_id)
+        self.scheduler.update(output, self.runner.execute(output), self.runner.accepted)
+
+
+def run_machine(examples: int, steps: int) -> Counter:
+    REACHED.clear()
+    run_state_machine_as_test(SpeculativeMachine, settings=settings(
+        max_examples=examples, stateful_step_count=steps, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow]))
+    return Counter(REACHED)
+
+
+def test_speculative_steps_keep_the_books_and_reach_every_state():
+    reached = run_machine(EXAMPLES, 25)
+    print("speculative states reached (steps):", dict(sorted(reached.items())))
+    missing = [state for state in SPEC_STATES if not reached[state]]
+    assert not missing, f"the state machine never reached {missing}: {dict(reached)}"
