@@ -46,7 +46,7 @@ from kvstrata.core.config import SchedulerConfig, SpeculativeConfig
 from kvstrata.core.errors import RequestRejected
 from kvstrata.core.request import Request, RequestStatus
 from kvstrata.kvcache.tiers import TierManager
-from kvstrata.scheduler.drafts import DraftProposer
+from kvstrata.scheduler.drafts import DraftProposer, still_pays
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +330,8 @@ class Scheduler:
                 assert num_accepted <= num_drafts, f"{request.request_id}: more drafts accepted than proposed"
                 request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_accepted
+                if num_drafts and not still_pays(request):
+                    request.num_lookahead_tokens = 0      # its drafts cost more than they save: plain from now on
                 self._append(request, chunk.draft_token_ids[:num_accepted], sampled[request.request_id])
             if num_drafts:
                 self.tiers.settle_drafts(request)

@@ -14,7 +14,7 @@ import pytest
 from kvstrata.core.request import RequestStatus
 from kvstrata.kvcache.admission import DecodeReservation
 from kvstrata.kvcache.block_pool import BlockState
-from kvstrata.scheduler.drafts import DraftProposer
+from kvstrata.scheduler.drafts import JUDGED_AFTER, DraftProposer
 from tests.kvcache.fakes import (
     HASHER,
     FakeRunner,
@@ -187,3 +187,22 @@ def test_an_abort_or_preemption_mid_speculation_leaves_the_pools_as_if_the_step_
         assert speculated.requests["r0"].status is RequestStatus.PREEMPTED
         drive(speculated, runner)
     at_rest(speculated)
+
+
+def test_a_request_whose_drafts_are_mostly_rejected_stops_speculating():
+    """n-gram drafts accepted less than MIN_ACCEPTANCE of the time stop once JUDGED_AFTER are verified;
+    drafts that are accepted go on; a prediction always goes on; outputs stay those of plain decoding."""
+    reference, _, _ = run(make_scheduler(num_blocks=64), 0, max_tokens=40)
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=24)
+    scheduler.proposer = OracleProposer(lambda request, k: 0 if request.request_id != "r1" else None)
+    made = speculating(4, max_tokens=40)
+    made[2].prediction_token_ids = (1, 2, 3)          # wrong drafts too, but the client asked
+    outputs = drive(scheduler, FakeRunner(64, 4), requests=made)
+    at_rest(scheduler)
+    assert outputs == reference
+    for request in made:
+        assert (request.num_lookahead_tokens == 0) == (request.request_id in ("r0", "r3")), request.request_id
+    assert all(JUDGED_AFTER <= r.num_draft_tokens < JUDGED_AFTER + 4 and r.num_accepted_tokens == 0
+               for r in (made[0], made[3]))
+    assert made[1].num_accepted_tokens == made[1].num_draft_tokens > 0
+    assert made[2].num_draft_tokens > JUDGED_AFTER + 4 and made[2].num_accepted_tokens == 0
