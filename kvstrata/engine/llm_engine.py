@@ -316,7 +316,9 @@ class LLMEngine:
         self.stats.count_step(seconds)
         if not output.is_empty:
             prefills = [c for c in output.chunks if c.start < c.request.num_prompt_tokens]
-            self.step_cost.observe(sum(c.num_tokens for c in prefills), len(output.chunks) - len(prefills), seconds)
+            drafts = sum(len(c.draft_token_ids) for c in output.chunks)     # rows beyond a decode's one, as prefill's
+            self.step_cost.observe(sum(c.num_tokens for c in prefills) + drafts, len(output.chunks) - len(prefills),
+                                   seconds)
         self.stats.generated_tokens += sum(chunk.sample + len(chunk.forks) for chunk in output.chunks) \
             + sum(accepted.values())
         step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses
