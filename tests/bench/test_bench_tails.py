@@ -66,13 +66,20 @@ BENCH = ["--workload", "random", "--num-requests", "8", "--input-len", "8", "--o
          "--warmup-requests", "0", "--no-progress"]
 
 
-def test_slowest_requests_with_their_breakdown_and_a_peer_without_timelines(tmp_path, capsys):
+def compare(out, *flags: str):
+    """`kvstrata bench serve` over a fake server with timelines ("ours") and one without ("peer"):
+    the exit code and what ours was asked."""
     ours, did = fake_server(timelines=True)
     peer, _ = fake_server(timelines=False)
-    out = tmp_path / "run"
     with serving(ours, ready="/v1/models") as base, serving(peer, ready="/v1/models") as other:
         code = main(["bench", "serve", "--base-url", base, "--compare-url", other, "--label", "ours",
-                     "--label", "peer", *BENCH, "--request-rate", "inf", "--slo", "ttft=300", "--output", str(out)])
+                     "--label", "peer", *BENCH, *flags, "--output", str(out)])
+    return code, did
+
+
+def test_slowest_requests_with_their_breakdown_and_a_peer_without_timelines(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, did = compare(out, "--request-rate", "inf", "--slo", "ttft=300")
     assert code == 0
     text = capsys.readouterr().out
     assert "ours: where the time went (s), the slowest 1 of 8 by e2e latency and 1 more by TTFT; " \
@@ -114,13 +121,8 @@ def test_no_timelines_flag_fetches_none(tmp_path, capsys):
 
 
 def test_a_sweep_runs_each_rate_and_summarizes(tmp_path, capsys):
-    ours, did = fake_server(timelines=True)
-    peer, _ = fake_server(timelines=False)
     out = tmp_path / "sweep"
-    with serving(ours, ready="/v1/models") as base, serving(peer, ready="/v1/models") as other:
-        code = main(["bench", "serve", "--base-url", base, "--compare-url", other, "--label", "ours",
-                     "--label", "peer", *BENCH, "--request-rate", "40,inf", "--slo", "ttft=300,tpot=1000",
-                     "--output", str(out)])
+    code, did = compare(out, "--request-rate", "40,inf", "--slo", "ttft=300,tpot=1000")
     assert code == 0
     assert did["count"] == 16                                # the same 8 requests at each rate
     text = capsys.readouterr().out
