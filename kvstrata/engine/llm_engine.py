@@ -227,10 +227,10 @@ class LLMEngine:
         self._account(output, result.accepted, started)
         return outputs
 
-    def _prefill_limit(self, decodes: int) -> int:
+    def _prefill_limit(self, decodes: int, waiting: int) -> int:
         scheduler = self.config.scheduler
         return self.step_cost.prefill_limit(scheduler.max_tpot_ms / 1000, decodes, scheduler.min_prefill_tokens,
-                                            scheduler.max_num_batched_tokens)
+                                            scheduler.max_num_batched_tokens, waiting)
 
     def _timeline_of(self, request_id: str) -> RequestTimeline | None:
         tracked = self._tracked.get(request_id)

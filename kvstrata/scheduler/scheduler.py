@@ -174,11 +174,12 @@ class Scheduler:
                 if self._waiting_key.get(request.request_id) == key]
 
     # ---- one step -------------------------------------------------------------------------------
-    def schedule(self, prefill_limit: Callable[[int], int] | None = None) -> SchedulerOutput:
+    def schedule(self, prefill_limit: Callable[[int, int], int] | None = None) -> SchedulerOutput:
         """The next step's chunks. If this raises, `in_step` names the requests it was working on.
 
-        `prefill_limit(decodes)`: most prefill tokens a step with that many decodes may take (the
-        engine's answer to a step-time target); prefill chunks then share it, decodes never wait for it.
+        `prefill_limit(decodes, waiting)`: most prefill tokens a step with that many decodes may take
+        while `waiting` requests wait for their first token (the engine's answer to a step-time
+        target); prefill chunks then share it, decodes never wait for it.
         """
         self.in_step = []
         for request in self.tiers.poll_loads():
@@ -190,7 +191,11 @@ class Scheduler:
         preempted: list[str] = []
         self.running.sort(key=self._rank)
         decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        prefill_left = prefill_limit(decodes) if prefill_limit is not None and decodes else budget
+        if prefill_limit is not None and decodes:
+            waiting = len(self.running) - decodes + len(self.loading) + self.num_waiting
+            prefill_left = prefill_limit(decodes, waiting)
+        else:
+            prefill_left = budget
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]

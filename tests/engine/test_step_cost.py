@@ -28,6 +28,15 @@ def test_the_limit_fills_the_target_and_stretches_when_decodes_alone_are_slow():
     assert trained(per_token=0.01).prefill_limit(0.05, 8, 64, 2048) == 64  # never below the floor
 
 
+def test_the_target_grows_when_more_requests_wait_than_decode():
+    model = trained()
+    decoding = 0.02 + 0.001 * 8
+    alone = model.prefill_limit(0.15, 8, 64, 4096)
+    assert model.prefill_limit(0.15, 8, 64, 4096, waiting=8) == alone      # as many wait as decode: no change
+    assert abs(model.prefill_limit(0.15, 8, 64, 4096, waiting=32) - (4 * 0.15 - decoding) / 0.0006) < 15
+    assert model.prefill_limit(0.15, 8, 64, 2048, waiting=1000) == 2048    # never above the step budget
+
+
 def test_the_forgetting_fit_follows_a_host_that_slows_down():
     model = trained()
     rng = random.Random(1)

@@ -130,7 +130,7 @@ def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int 
 
 
 def step(scheduler: Scheduler, runner: FakeRunner,
-         prefill_limit: Callable[[int], int] | None = None) -> SchedulerOutput:
+         prefill_limit: Callable[[int, int], int] | None = None) -> SchedulerOutput:
     """One engine step with the fake model, audited."""
     output = scheduler.schedule(prefill_limit)
     assert output.num_tokens <= scheduler.config.max_num_batched_tokens

@@ -39,8 +39,8 @@ def test_a_prefill_limit_cuts_prefill_beside_decodes_and_never_a_decode():
     r = runner_for(s)
     asked = []
 
-    def limit(decodes):
-        asked.append(decodes)
+    def limit(decodes, waiting):
+        asked.append((decodes, waiting))
         return 3
 
     s.add_request(make_request("a", list(range(6)), max_tokens=5))
@@ -50,17 +50,18 @@ def test_a_prefill_limit_cuts_prefill_beside_decodes_and_never_a_decode():
     s.add_request(make_request("d", list(range(200, 210)), max_tokens=2))
     out = step(s, r, limit)
     assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 3)]
-    assert asked == [2]
-    out = step(s, r, lambda decodes: 5)                      # c continues within the limit, d gets the rest
+    assert asked == [(2, 2)]                                 # a, b decode; c, d wait
+    out = step(s, r, lambda decodes, waiting: 5)             # c continues within the limit, d gets the rest
     assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 5)]
-    out = step(s, r, lambda decodes: 14)
+    out = step(s, r, lambda decodes, waiting: 14)
     assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 12),
                                                                           ("d", 2)]
 
 
 def test_outputs_are_identical_with_and_without_a_prefill_limit():
     results = []
-    for limit in (None, lambda decodes: 2, lambda decodes: 7 - min(decodes, 6)):
+    for limit in (None, lambda decodes, waiting: 2,
+                  lambda decodes, waiting: 7 - min(decodes, 6) + min(waiting, 3)):
         s = make_scheduler(num_blocks=24, max_num_batched_tokens=12, max_model_len=40)
         r = runner_for(s)
         requests = shared_prefix_requests(20)
