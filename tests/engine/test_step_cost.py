@@ -2,7 +2,7 @@
 
 import random
 
-from kvstrata.engine.step_cost import MIN_STEPS, STRETCH, StepCostModel
+from kvstrata.engine.step_cost import MIN_STEPS, QUEUE_RATIO, STRETCH, StepCostModel
 
 
 def trained(base=0.02, per_token=0.0006, per_decode=0.001, steps=200, seed=0):
@@ -28,12 +28,13 @@ def test_the_limit_fills_the_target_and_stretches_when_decodes_alone_are_slow():
     assert trained(per_token=0.01).prefill_limit(0.05, 8, 64, 2048) == 64  # never below the floor
 
 
-def test_the_target_grows_when_more_requests_wait_than_decode():
+def test_the_target_grows_when_many_more_requests_wait_than_decode():
     model = trained()
     decoding = 0.02 + 0.001 * 8
     alone = model.prefill_limit(0.15, 8, 64, 4096)
-    assert model.prefill_limit(0.15, 8, 64, 4096, waiting=8) == alone      # as many wait as decode: no change
-    assert abs(model.prefill_limit(0.15, 8, 64, 4096, waiting=32) - (4 * 0.15 - decoding) / 0.0006) < 15
+    assert model.prefill_limit(0.15, 8, 64, 4096, waiting=8 * QUEUE_RATIO) == alone     # up to the ratio: as is
+    waiting = 8 * QUEUE_RATIO * 3                                                     # three times over it
+    assert abs(model.prefill_limit(0.15, 8, 64, 4096, waiting=waiting) - (3 * 0.15 - decoding) / 0.0006) < 15
     assert model.prefill_limit(0.15, 8, 64, 2048, waiting=1000) == 2048    # never above the step budget
 
 
