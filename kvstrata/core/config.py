@@ -149,7 +149,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
     max_tpot_ms: float = _opt(150.0, "while requests decode, cut each step's prefill to what the engine's "
                                      "measured step cost says fits in this many ms (at least "
-                                     "min_prefill_tokens); 0: no cut")
+                                     "min_prefill_tokens; more when over 4 requests wait per decoding "
+                                     "one); 0: no cut")
     min_prefill_tokens: int = _opt(64, "prefill tokens a step may always take under max_tpot_ms, so that "
                                        "waiting prompts move on")
 

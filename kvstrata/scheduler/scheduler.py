@@ -178,8 +178,8 @@ class Scheduler:
         """The next step's chunks. If this raises, `in_step` names the requests it was working on.
 
         `prefill_limit(decodes, waiting)`: most prefill tokens a step with that many decodes may take
-        while `waiting` requests wait for their first token (the engine's answer to a step-time
-        target); prefill chunks then share it, decodes never wait for it.
+        while `waiting` requests wait for their first token and could start in it (the engine's answer
+        to a step-time target); prefill chunks then share it, decodes never wait for it.
         """
         self.in_step = []
         for request in self.tiers.poll_loads():
@@ -192,7 +192,8 @@ class Scheduler:
         self.running.sort(key=self._rank)
         decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         if prefill_limit is not None and decodes:
-            waiting = len(self.running) - decodes + len(self.loading) + self.num_waiting
+            seats_left = max(0, self.config.max_num_seqs - self.num_seats)   # queued past them wait anyway
+            waiting = len(self.running) - decodes + len(self.loading) + min(self.num_waiting, seats_left)
             prefill_left = prefill_limit(decodes, waiting)
         else:
             prefill_left = budget

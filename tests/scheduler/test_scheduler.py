@@ -58,6 +58,19 @@ def test_a_prefill_limit_cuts_prefill_beside_decodes_and_never_a_decode():
                                                                           ("d", 2)]
 
 
+def test_the_prefill_limit_counts_only_waiting_requests_that_have_a_seat():
+    s = make_scheduler(max_num_batched_tokens=16, max_num_seqs=3)
+    r = runner_for(s)
+    asked = []
+    for name, base in (("a", 0), ("b", 10)):
+        s.add_request(make_request(name, list(range(base, base + 6)), max_tokens=5))
+    step(s, r)
+    for name, base in (("c", 100), ("d", 200), ("e", 300)):
+        s.add_request(make_request(name, list(range(base, base + 20)), max_tokens=2))
+    step(s, r, lambda decodes, waiting: asked.append((decodes, waiting)) or 3)
+    assert asked == [(2, 1)]                          # one seat left: c may start, d and e wait for seats
+
+
 def test_outputs_are_identical_with_and_without_a_prefill_limit():
     results = []
     for limit in (None, lambda decodes, waiting: 2,
