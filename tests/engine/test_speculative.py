@@ -76,3 +76,54 @@ def test_requests_verification_cannot_serve_exactly_do_not_speculate(make_engine
         assert engine.add_request(REPEATING, params).num_lookahead_tokens == lookahead
     while engine.has_unfinished:
         engine.step()
+
+
+def test_a_failed_step_carrying_drafts_ends_its_requests_and_leaks_nothing(make_engine, reference):
+    """The model step fails while a request verifies drafts beside another's decode: both end with
+    an error, the books balance, the requests waiting behind them and a rerun of the failed prompt
+    (which hits the prefix its blocks cached, never a draft's KV) decode exactly as plain decoding."""
+    from kvstrata.kvcache.faults import FaultInjector
+
+    faults = FaultInjector()
+    engine = make_engine(faults=faults, speculative_config=NGRAM, max_num_seqs=2, **TIERS)
+    expected = [o.new_token_ids for o in reference[1]["greedy"]]
+    failed_steps = []
+    schedule = engine.scheduler.schedule
+
+    def arm_on_drafts(*args, **kwargs):
+        """Arm the model-step fault for the first step whose drafting request has 5 tokens out."""
+        output = schedule(*args, **kwargs)
+        if not failed_steps and any(c.draft_token_ids and c.request.num_output_tokens >= 5 for c in output.chunks):
+            failed_steps.append(output)
+            faults.arm("execute")
+        return output
+    engine.scheduler.schedule = arm_on_drafts
+    texts = prompts()
+    requests = [engine.add_request(text, greedy()) for text in texts[:4]]    # two run, two wait (max_num_seqs)
+    outputs = {r.request_id: [] for r in requests}
+    finishes = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finishes[out.request_id] = out.finish_reason
+    assert faults.raised["execute"] == 1 and len(failed_steps) == 1, "no step with drafts met the fault"
+    failed = {c.request.request_id for c in failed_steps[0].chunks}
+    assert requests[0].request_id in failed and len(failed) == 2          # the drafting request and another
+    for index, request in enumerate(requests):
+        if request.request_id in failed:
+            assert finishes[request.request_id] == "error"
+        else:                                           # it waited behind the failed step: unchanged
+            assert outputs[request.request_id] == expected[index]
+            assert finishes[request.request_id] == reference[1]["greedy"][index].finish_reason
+    engine.scheduler.audit()
+    assert_nothing_held(engine)
+    rerun = engine.generate(texts[:2], greedy())
+    assert [o.new_token_ids for o in rerun] == expected[:2] and rerun[0].num_cached_tokens > 0
+    assert engine.stats.step_failures == 1 and engine.stats.spec_decode_num_drafts > 0
+    assert_nothing_held(engine)
+
+
+def assert_nothing_held(engine) -> None:
+    for tier, counts in engine.tiers.audit().items():
+        assert counts.used == 0 and counts.in_flight == 0, f"{tier}: {counts}"
