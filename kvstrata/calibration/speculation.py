@@ -18,7 +18,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from kvstrata.calibration.engine_replay import EngineRun, replay_on_engine
+from kvstrata.calibration.engine_replay import EngineRun, loadavg, replay_on_engine
 from kvstrata.calibration.fitted_on import check_not_fitted_on, slice_identity
 from kvstrata.calibration.slices import Slice, time_scale_for
 from kvstrata.calibration.validation import CLOCK_NAMES, LOADS
@@ -58,8 +58,11 @@ def validate_level(trace: list[TraceRequest], config: SimConfig, spec: Speculati
     """One time scale: the engine without and with speculation, then the simulator both ways at the
     acceptance the engine measured."""
     trace = [replace(r, arrival=r.arrival * time_scale) for r in trace]
-    runs = {"without": replay_on_engine(trace, config, threads, clock, loaded),
-            "with": replay_on_engine(trace, replace(config, speculative=spec), threads, clock, loaded)}
+    loads = [loadavg()]
+    runs = {}
+    for name, engine_config in (("without", config), ("with", replace(config, speculative=spec))):
+        runs[name] = replay_on_engine(trace, engine_config, threads, clock, loaded)
+        loads.append(loadavg())
     acceptance = measured_acceptance(runs["with"])
     engine = {name: engine_summary(run, trace, config.block_size) for name, run in runs.items()}
     sim_runs = {"without": Simulator(trace, config, cost).run(),
@@ -81,7 +84,10 @@ def validate_level(trace: list[TraceRequest], config: SimConfig, spec: Speculati
                                       "num_accepted_tokens": drafts.num_accepted_tokens},
                            "simulator": sim["with"]["speculation"]},
             "drafted_steps": drafted_step_times(runs["with"], cost),
-            "steps": {name: {"engine": len(run.steps), "simulator": sim[name]["steps"]} for name, run in runs.items()}}
+            "steps": {name: {"engine": len(run.steps), "simulator": sim[name]["steps"]} for name, run in runs.items()},
+            "tpot_s": {name: {"engine": [r.tpot for r in run.records], "simulator": [r.tpot for r in sim_runs[name].records]}
+                       for name, run in runs.items()},
+            "loadavg": loads}
 
 
 def validate_speculation(path: str | Path, slice_: Slice, spec: SpeculativeConfig, cost: CostModel,

@@ -294,7 +294,8 @@ def speculation_table(report: dict) -> str:
         accepted = data["acceptance"]
         drafted = data["drafted_steps"]
         error = "n/a" if drafted["error"] is None else f"{drafted['error']:+.1%}"
-        lines.append(f"\n{level}: time scale {data['time_scale']:.4g}; measured acceptance per position "
+        loads = " -> ".join(f"{load[0]:.2f}" for load in data["loadavg"] if load)
+        lines.append(f"\n{level}: time scale {data['time_scale']:.4g}, loadavg (1 min) {loads}; measured acceptance per position "
                      f"{', '.join(f'{a:.2f}' for a in accepted['per_position'])}, draft lengths "
                      f"{', '.join(f'{s:.2f}' for s in accepted['draft_lengths'])}, draft rate "
                      f"{accepted['draft_rate']:.2f}; {drafted['steps']} steps with drafts: engine "
