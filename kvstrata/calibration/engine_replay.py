@@ -1,8 +1,9 @@
 """The real engine, run and timed for calibration and validation: trace replays, warm-up, speed probes.
 
-`replay_on_engine` feeds a slice's arrivals to a real `LLMEngine` with the slice's caches and
-records every request's first and last token and every step's batch shape and time, the same
-figures the simulator reports. Steps are timed by the engine thread's CPU time (`--clock cpu`,
+`replay_on_engine` feeds a slice's arrivals to a real `LLMEngine` with the slice's caches (and its
+speculative config) and records every request's first and last token and every step's batch shape
+and time, the same figures the simulator reports, and with speculation what the simulator takes as
+the workload's acceptance (`DraftCounts`). Steps are timed by the engine thread's CPU time (`--clock cpu`,
 neighbours do not count); a step that runs nothing adds the wall time it blocked waiting for
 store transfers (`TransferWaits`), the time a load really keeps a request waiting. Engines are
 warmed before anything is timed (`fault_in_kv`, `warm_up`), and `speed_probe` times a fixed small
@@ -41,18 +42,51 @@ class EngineRun:
     steps: list[tuple[BatchShape, float]]       # non-empty steps: shape and time
     waited_s: float                             # time in steps that ran nothing (waiting for the store)
     preemptions: int
+    drafts: DraftCounts | None = None           # with speculation: drafts and how many were accepted
+
+
+@dataclass
+class DraftCounts:
+    """A speculative replay's drafts, as the engine's spec_decode counters count them, and how often a
+    decode that could have drafted found a draft (`draft_rate`: an n-gram lookup misses sometimes)."""
+
+    num_drafts: int                             # steps of a request with drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+    drafted_per_pos: list[int]                  # steps whose draft reached each position (a lookup drafts
+                                                # what followed its match: often fewer than K tokens)
+    could_draft: int                            # decodes of a speculating request with room for a draft
+    drafted_steps: list[int]                    # indices into EngineRun.steps of steps carrying drafts
+
+    @property
+    def draft_rate(self) -> float:
+        return self.num_drafts / self.could_draft if self.could_draft else 0.0
 
 
 class ShapeRecorder:
-    """Stands in for the engine's runner to note each step's batch shape, then runs it."""
+    """Stands in for the engine's runner to note each step's batch shape, then runs it; counts the
+    decodes that could have carried drafts and those that did."""
 
     def __init__(self, runner):
         self.runner = runner
         self.last: BatchShape | None = None
+        self.last_drafted = False
+        self.could_draft = 0
+        self.drafted_per_pos: list[int] = []
 
     def execute(self, output):
         self.last = None if output.is_empty else BatchShape.of(output.chunks, self.runner.block_size,
                                                                self.runner.decodes_in_place)
+        self.last_drafted = any(c.draft_token_ids for c in output.chunks)
+        for chunk in output.chunks:
+            drafted = self.drafted_per_pos
+            drafted.extend([0] * (len(chunk.draft_token_ids) - len(drafted)))
+            for position in range(len(chunk.draft_token_ids)):
+                drafted[position] += 1
+        self.could_draft += sum(1 for c in output.chunks if c.sample and c.request.num_lookahead_tokens
+                                and c.num_tokens - len(c.draft_token_ids) == 1 and not c.forks
+                                and c.request.sampling.max_tokens - c.request.num_output_tokens > 1)
         return self.runner.execute(output)
 
     def __getattr__(self, name: str):
@@ -79,7 +113,8 @@ def replay_on_engine(trace: list[TraceRequest], config: SimConfig, threads: int 
             store_path=store_dir if config.store_cache_tokens != 0 else None, persist=False,
             write_policy=config.write_policy, store_timeout=config.store_timeout,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, policy=config.policy, threads=threads), loaded)
+            max_num_batched_tokens=config.max_num_batched_tokens, policy=config.policy, threads=threads,
+            speculative_config=config.speculative), loaded)
         try:
             fault_in_kv(engine)             # not warm_up: its prompt would take device blocks
             return _replay(engine, trace, config, clock)
@@ -96,6 +131,7 @@ def _replay(engine, trace: list[TraceRequest], config: SimConfig, clock: str) ->
     prompts = [tokens.prompt(r) for r in trace]
     records = [RequestRecord(r.arrival, r.input_length, r.output_length) for r in trace]
     steps: list[tuple[BatchShape, float]] = []
+    drafted: list[int] = []
     waited = 0.0
     pending = deque(range(len(trace)))
     started, now = time.perf_counter(), 0.0
@@ -116,6 +152,7 @@ def _replay(engine, trace: list[TraceRequest], config: SimConfig, clock: str) ->
         outputs = engine.step()
         seconds = timer() - begun
         if recorder.last is not None:
+            drafted += [len(steps)] if recorder.last_drafted else []
             steps.append((recorder.last, seconds))
         elif not wall:                      # ran nothing: its work, then the wait for transfers in real time
             seconds += waits.seconds - blocked
@@ -127,7 +164,12 @@ def _replay(engine, trace: list[TraceRequest], config: SimConfig, clock: str) ->
                 record.first_token = now
             if out.finished:
                 record.finish, record.cached_tokens = now, out.num_cached_tokens
-    return EngineRun(records, dict(engine.tiers.stats.hit_tokens), steps, waited, engine.scheduler.num_preemptions)
+    stats = engine.stats
+    drafts = DraftCounts(stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                         stats.spec_decode_num_accepted_tokens, list(stats.spec_decode_num_accepted_tokens_per_pos),
+                         recorder.drafted_per_pos, recorder.could_draft, drafted) if config.speculative is not None else None
+    return EngineRun(records, dict(engine.tiers.stats.hit_tokens), steps, waited, engine.scheduler.num_preemptions,
+                     drafts)
 
 
 class TransferWaits:

@@ -6,6 +6,9 @@
               turn's), each hash id shrunk to 32 tokens (`traces.shrink`) so a session fits the
               engine's context; small device cache, a host tier and a disk store, so prefixes come
               back from every tier
+    speculative  10 requests of the conversation trace over two of its time stamps (from request
+              505), prompts cut to 512 tokens, outputs of up to 128 tokens: decoding, where
+              speculation acts, is most of the work
 
 A slice is replayed at a *load*: `time_scale_for` stretches its arrivals so the offered work (the
 profile's estimate of serving the requests one at a time, with what an unbounded cache would hold
@@ -66,6 +69,7 @@ SLICES = {
     "plain": Slice("plain"),
     "sessions": Slice("sessions", requests=80, sessions=True, tokens_per_id=32, device_cache_tokens=1536,
                       host_cache_tokens=1024, store=True),
+    "speculative": Slice("speculative", skip=505, requests=10, max_input_tokens=512, max_output_tokens=128),
 }
 
 

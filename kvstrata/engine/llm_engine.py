@@ -144,10 +144,9 @@ class LLMEngine:
 
     def _lookahead(self, params: SamplingParams, prediction: Sequence[int]) -> int:
         """Draft tokens a request verifies per step: with --speculative-config or a prediction, unless
-        it asks for what verification does not give exactly (logprobs, structured output, n > 1)."""
+        it asks for structured output (its grammar would have to check the drafts first)."""
         spec = self.config.speculative_config
-        if (spec is None and not prediction) or params.logprobs is not None or params.structured is not None \
-                or params.num_samples > 1:
+        if (spec is None and not prediction) or params.structured is not None:
             return 0
         return spec.num_speculative_tokens if spec is not None else PREDICTION_LOOKAHEAD
 
@@ -266,9 +265,6 @@ class LLMEngine:
             tracked = self._tracked[request_id]
             request = tracked.request
             new = request.token_ids[request.num_prompt_tokens + before.get(request_id, 0):]
-            if request_id in result.logprobs:
-                tracked.logprobs.append(result.logprobs[request_id])
-                tracked.cumulative_logprob += result.logprobs[request_id].logprob
             for index, token_id in enumerate(new):
                 if tracked.detokenizer.add(token_id) is None:
                     continue
@@ -280,6 +276,9 @@ class LLMEngine:
                 new = new[:index + 1]        # tokens a speculative step accepted after it were never generated
                 request.truncate_output(before.get(request_id, 0) + len(new))
                 break
+            entries = result.logprobs.get(request_id, [])[:len(new)]      # one per token taken, in order
+            tracked.logprobs += entries
+            tracked.cumulative_logprob += sum(entry.logprob for entry in entries)
             outputs.append(self._output(tracked, new))
         return outputs
 

@@ -9,7 +9,9 @@ that serves requests:
                charges for its batch plus its device <-> host copies and the store lookups
                schedule() waited for (stand_ins.VirtualExecutor); when it ends, update() gets
                one sampled token per sampling chunk (requests stop at their trace output length)
-               and the next step starts at once; a step that computes nothing but copied or
+               and the next step starts at once; with speculation, a decode may carry drafts,
+               and how many of them were accepted is drawn from the workload's acceptance
+               (kvstrata.sim.speculation); a step that computes nothing but copied or
                encoded blocks (an admission that only started loads) lasts that work, as the
                engine's schedule() does
     store I/O  lookups, loads and writes complete when their transfer would have (stand_ins), so
@@ -31,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvstrata.core.config import POLICIES, WRITE_POLICIES, CacheConfig, SchedulerConfig
+from kvstrata.core.config import POLICIES, WRITE_POLICIES, CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.request import Request
 from kvstrata.core.sampling_params import SamplingParams
@@ -40,6 +42,7 @@ from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvstrata.sim.batch_shape import BatchShape
 from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.routing import ROUTERS, make_router
+from kvstrata.sim.speculation import DEFAULT_ALPHA, Acceptance, SimulatedDrafts
 from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
 from kvstrata.sim.traces import (
     TRACE_BLOCK,
@@ -75,6 +78,8 @@ class SimConfig:
     store_timeout: float = 2.0
     audit: bool = False
     tokens_per_id: int = TRACE_BLOCK              # tokens per trace hash id (fewer: a shrunk trace, traces.shrink)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
+    acceptance: Acceptance | None = None          # its drafts' acceptance (None: geometric, DEFAULT_ALPHA)
 
     def validate(self) -> SimConfig:
         size = self.block_size
@@ -95,7 +100,13 @@ class SimConfig:
             raise ValueError(f"policy must be one of {POLICIES}, write_policy one of {WRITE_POLICIES}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.acceptance is not None and self.speculative is None:
+            raise ValueError("an acceptance without a speculative config simulates nothing: pass one")
         return self
+
+    @property
+    def draft_acceptance(self) -> Acceptance:
+        return self.acceptance or Acceptance.geometric(DEFAULT_ALPHA)
 
 
 @dataclass(slots=True)
@@ -147,6 +158,7 @@ class SimResult:
     wall_s: float
     audited_steps: int = 0
     blocks_at_end: dict[str, int] = field(default_factory=dict)
+    speculation: dict | None = None            # drafts and acceptance (SimulatedDrafts.report), when on
 
     def to_json(self) -> dict:
         """The figures `kvstrata simulate --output-json` writes (hit rates are shares of prompt blocks)."""
@@ -171,6 +183,8 @@ class SimResult:
                                           "preemptions": e["preemptions"], "steps": e["steps"]})
         if self.config.audit:
             out["audit"] = {"steps_audited": self.audited_steps, **self.blocks_at_end}
+        if self.speculation is not None:
+            out["speculation"] = self.speculation
         return out
 
 
@@ -227,6 +241,9 @@ class Simulator:
                              f"{device * size}; raise --device-cache-tokens or cap --max-input-tokens")
         host = everything if config.host_cache_tokens is None else config.host_cache_tokens // size
         store_blocks = None if config.store_cache_tokens is None else config.store_cache_tokens // size
+        spec = config.speculative
+        self.drafts = SimulatedDrafts(config.draft_acceptance, SAMPLED_TOKEN) if spec is not None else None
+        self.lookahead = spec.num_speculative_tokens if spec is not None else 0
         self.store = SimStore(store_blocks) if store_blocks != 0 else None
         cache = CacheConfig(block_size=size, num_device_blocks=device, num_host_blocks=host,
                             store="none" if self.store is None else "disk", write_policy=config.write_policy,
@@ -251,7 +268,8 @@ class Simulator:
                                    busy=lambda: mover.accrued)
         tiers = TierManager(cache, cache.num_device_blocks, cache.num_host_blocks, store=self.store, mover=mover,
                             executor=executor, clock=self.clock, probe_wait=0)     # the executor answers in time
-        return _Engine(index, Scheduler(scheduling, tiers), tiers, mover, executor)
+        scheduler = Scheduler(scheduling, tiers, speculative=self.config.speculative, proposer=self.drafts)
+        return _Engine(index, scheduler, tiers, mover, executor)
 
     # ---- the event loop -------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -282,7 +300,8 @@ class Simulator:
         entry = self.trace[index]
         request = Request(str(index), self.tokens.prompt(entry), SamplingParams(max_tokens=entry.output_length,
                                                                                 ignore_eos=True),
-                          self.tokens.hasher, arrival_time=entry.arrival, block_hashes=self.tokens.block_hashes(entry))
+                          self.tokens.hasher, arrival_time=entry.arrival, block_hashes=self.tokens.block_hashes(entry),
+                          num_lookahead_tokens=self.lookahead)
         engine = self.engines[self.router.route(request) if len(self.engines) > 1 else 0]
         self.records[index].engine = engine.index
         engine.scheduler.add_request(request)
@@ -323,14 +342,16 @@ class Simulator:
     def _end_step(self, engine: _Engine) -> None:
         output, engine.output = engine.output, None
         now, records = self.clock.now, self.records
-        sampled = {}
+        sampled, accepted = {}, {}
         for chunk in output.chunks:
             if chunk.sample:
                 request = chunk.request
                 sampled[request.request_id] = SAMPLED_TOKEN
                 if request.num_output_tokens == 0:
                     records[int(request.request_id)].first_token = now
-        for request in engine.scheduler.update(output, sampled):
+                if chunk.draft_token_ids:
+                    accepted[request.request_id] = self.drafts.verify(len(chunk.draft_token_ids))
+        for request in engine.scheduler.update(output, sampled, accepted):
             record = records[int(request.request_id)]
             record.finish, record.cached_tokens = now, request.num_cached_tokens
             record.preemptions = request.num_preemptions
@@ -362,4 +383,5 @@ class Simulator:
                     at_end[f"{tier}_in_flight_at_end"] = at_end.get(f"{tier}_in_flight_at_end", 0) + counts.in_flight
         return SimResult(self.config, self.cost.source, self.records,
                          num_prompt_blocks(self.trace, self.config.block_size), ideal, engines,
-                         self.store.evictions if self.store is not None else 0, wall_s, self._audited, at_end)
+                         self.store.evictions if self.store is not None else 0, wall_s, self._audited, at_end,
+                         self.drafts.report() if self.drafts is not None else None)

@@ -51,10 +51,11 @@ def host_blocks_for(config: CacheConfig, spec: KVCacheSpec) -> int:
 class StepResult:
     """What the model produced in one step, keyed by request id (only chunks that sample, and for
     `prompt_logprobs`, chunks of a prompt that asked: (index of the first prompt token scored, entries)).
-    A chunk with drafts: `accepted` of them came first, then `token_ids`."""
+    A chunk with drafts: `accepted` of them came first, then `token_ids`; `logprobs` holds one entry
+    per token taken, in order (the accepted drafts', then the sampled token's)."""
 
     token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprob]
+    logprobs: dict[str, list[TokenLogprob]]
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
 
@@ -116,7 +117,9 @@ class ModelRunner:
         ids = [r.request_id for r in sampling]
         token_ids = dict(zip(ids, result.token_ids))
         token_ids.update((c.request.request_id, v.token_id) for c, v in zip(drafted, verdicts))
-        return StepResult(token_ids, {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None},
+        logprobs = {rid: [lp] for rid, lp in zip(ids, result.logprobs) if lp is not None}
+        logprobs.update((c.request.request_id, list(v.logprobs)) for c, v in zip(drafted, verdicts) if v.logprobs)
+        return StepResult(token_ids, logprobs,
                           prompt_logprobs, {c.request.request_id: v.num_accepted for c, v in zip(drafted, verdicts)})
 
     @staticmethod

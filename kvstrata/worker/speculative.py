@@ -12,8 +12,10 @@ penalties, min_tokens, logit bias and bad words all see those drafts.
               renormalised (the residual max(0, p - q)). Each emitted token then follows p exactly.
               A seeded request draws row i from (seed, outputs so far), as plain decoding does.
 
-Requests asking for logprobs, structured output or several samples do not speculate (the engine
-gives them no lookahead).
+A request asking for logprobs gets them for every token it takes, the accepted drafts' and the
+one sampled after them, read from the raw logits of their rows (each row is the position plain
+decoding would score that token at). Requests asking for structured output do not speculate (the
+engine gives them no lookahead).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.core.outputs import TokenLogprob
 from kvstrata.core.request import Request
 from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.worker.logprobs import token_logprobs
 from kvstrata.worker.sampler import Sampler, apply_filters
 
 
@@ -64,6 +68,7 @@ class Drafted:
 class Verdict:
     num_accepted: int      # drafts accepted, in order from the first
     token_id: int          # the token sampled after them
+    logprobs: tuple[TokenLogprob, ...] = ()   # of the accepted drafts and the token, if the request asked
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request],
@@ -71,8 +76,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request],
     """`logits` (sum of len(d) + 1, V): each request's rows back to back, row i after its first i drafts."""
     views = [Drafted(r, tuple(d[:i])) for r, d in zip(requests, drafts) for i in range(len(d) + 1)]
     assert logits.shape[0] == len(views), "one row per draft plus one per request"
-    assert all(r.sampling.logprobs is None and r.sampling.structured is None for r in requests), \
-        "a request that asks for logprobs or structured output does not speculate"
+    assert all(r.sampling.structured is None for r in requests), "a request with structured output does not speculate"
     processed = sampler.process(logits, views)
     argmax = processed.argmax(dim=-1).tolist()
     verdicts, row = [], 0
@@ -82,8 +86,17 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request],
             verdicts.append(_greedy(argmax[rows], draft))
         else:
             verdicts.append(_rejection(sampler, processed[rows], views[rows], draft))
+        if request.sampling.logprobs is not None:
+            verdicts[-1] = _with_logprobs(verdicts[-1], logits[rows], draft, request.sampling.logprobs)
         row = rows.stop
     return verdicts
+
+
+def _with_logprobs(verdict: Verdict, logits: torch.Tensor, draft: Sequence[int], top_n: int) -> Verdict:
+    """`verdict` with the logprobs of the tokens it takes, from its rows' raw `logits` (K + 1, V)."""
+    taken = [*draft[:verdict.num_accepted], verdict.token_id]
+    entries = token_logprobs(logits[:len(taken)], taken, [top_n] * len(taken))
+    return Verdict(verdict.num_accepted, verdict.token_id, tuple(entries))
 
 
 def _greedy(targets: list[int], draft: Sequence[int]) -> Verdict:

@@ -69,10 +69,93 @@ def test_sampled_requests_speculate_and_seeded_ones_repeat(make_engine):
     assert first.new_token_ids == second.new_token_ids and engine.stats.spec_decode_num_drafts > 0
 
 
-def test_requests_verification_cannot_serve_exactly_do_not_speculate(make_engine):
+def test_only_structured_output_keeps_a_request_from_speculating(make_engine):
+    from kvstrata.core.sampling_params import GrammarSpec
+
     engine = make_engine(speculative_config=NGRAM)
-    cases = [(greedy(logprobs=2), 0), (SamplingParams(n=2, temperature=0.5, max_tokens=8), 0), (greedy(), 4)]
+    cases = [(greedy(structured=GrammarSpec("regex", "[a-z ]+")), 0), (greedy(logprobs=2), 4),
+             (SamplingParams(n=2, temperature=0.5, max_tokens=8), 4), (greedy(), 4)]
     for params, lookahead in cases:
         assert engine.add_request(REPEATING, params).num_lookahead_tokens == lookahead
     while engine.has_unfinished:
         engine.step()
+
+
+def test_logprobs_of_accepted_drafts_are_those_of_plain_decoding(make_engine, smollm2):
+    """fp32: every token's logprob, rank and top-3 with n-gram drafts equal plain decoding's, the
+    accepted drafts' (scored from their verification rows) as much as the sampled tokens'."""
+    params = greedy(logprobs=3)
+    plain = make_engine(enable_prefix_caching=False).generate(prompts()[:3], params)
+    engine = make_engine(speculative_config=NGRAM, **TIERS)
+    spec = engine.generate(prompts()[:3], params)
+    assert engine.stats.spec_decode_num_accepted_tokens > 10        # many tokens came from drafts
+    for got, want in zip(spec, plain):
+        assert got.new_token_ids == want.new_token_ids
+        assert len(got.logprobs) == len(want.logprobs) == len(got.new_token_ids)
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert (a.token_id, a.rank) == (b.token_id, b.rank)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+
+
+def test_families_speculate_once_forked_and_keep_plain_outputs(make_engine, reference):
+    """n = 2 and best_of = 3 (ranked by cumulative logprob, which verification now scores):
+    greedy samples equal plain decoding's output token for token."""
+    expected = reference[1]["greedy"][0].new_token_ids
+    engine = make_engine(speculative_config=NGRAM, **TIERS)
+    outputs = engine.generate([REPEATING], greedy(n=2)) + engine.generate([REPEATING], greedy(best_of=3))
+    assert [o.new_token_ids for o in outputs] == [expected] * 3
+    assert engine.stats.spec_decode_num_accepted_tokens > 10
+
+
+def test_a_failed_step_carrying_drafts_ends_its_requests_and_leaks_nothing(make_engine, reference):
+    """The model step fails while a request verifies drafts beside another's decode: both end with
+    an error, the books balance, the requests waiting behind them and a rerun of the failed prompt
+    (which hits the prefix its blocks cached, never a draft's KV) decode exactly as plain decoding."""
+    from kvstrata.kvcache.faults import FaultInjector
+
+    faults = FaultInjector()
+    engine = make_engine(faults=faults, speculative_config=NGRAM, max_num_seqs=2, **TIERS)
+    expected = [o.new_token_ids for o in reference[1]["greedy"]]
+    failed_steps = []
+    schedule = engine.scheduler.schedule
+
+    def arm_on_drafts(*args, **kwargs):
+        """Arm the model-step fault for the first step whose drafting request has 5 tokens out."""
+        output = schedule(*args, **kwargs)
+        if not failed_steps and any(c.draft_token_ids and c.request.num_output_tokens >= 5 for c in output.chunks):
+            failed_steps.append(output)
+            faults.arm("execute")
+        return output
+    engine.scheduler.schedule = arm_on_drafts
+    texts = prompts()
+    requests = [engine.add_request(text, greedy()) for text in texts[:4]]    # two run, two wait (max_num_seqs)
+    outputs = {r.request_id: [] for r in requests}
+    finishes = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finishes[out.request_id] = out.finish_reason
+    assert faults.raised["execute"] == 1 and len(failed_steps) == 1, "no step with drafts met the fault"
+    failed = {c.request.request_id for c in failed_steps[0].chunks}
+    assert requests[0].request_id in failed and len(failed) == 2          # the drafting request and another
+    for index, request in enumerate(requests):
+        if request.request_id in failed:
+            assert finishes[request.request_id] == "error"
+        else:                                           # it waited behind the failed step: unchanged
+            assert outputs[request.request_id] == expected[index]
+            assert finishes[request.request_id] == reference[1]["greedy"][index].finish_reason
+    engine.scheduler.audit()
+    assert_nothing_held(engine)
+    rerun = engine.generate(texts[:2], greedy())
+    assert [o.new_token_ids for o in rerun] == expected[:2] and rerun[0].num_cached_tokens > 0
+    assert engine.stats.step_failures == 1 and engine.stats.spec_decode_num_drafts > 0
+    assert_nothing_held(engine)
+
+
+def assert_nothing_held(engine) -> None:
+    for tier, counts in engine.tiers.audit().items():
+        assert counts.used == 0 and counts.in_flight == 0, f"{tier}: {counts}"

@@ -5,6 +5,8 @@
                       --store-cache-tokens inf --output-json fleet.json
     kvstrata simulate --trace T --sweep host_cache_tokens=0,1M,4M,inf --plot docs/ --output-json sweep.json
     kvstrata simulate --validate --slice sessions --repeat 2 --trace T        engine vs simulator, three loads
+    kvstrata simulate --trace T --speculative-config '{"num_speculative_tokens": 4}' --spec-acceptance 0.7
+                                                    what speculation buys: the trace with and without it
 
 Profiles come from `kvstrata calibrate` (kvstrata.entrypoints.cli.calibrate). Only the command
 modules print; the simulator itself returns figures.
@@ -20,12 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-from kvstrata.core.config import POLICIES, WRITE_POLICIES, parse_size
+from kvstrata.core.config import POLICIES, SPECULATIVE_EXAMPLE, WRITE_POLICIES, SpeculativeConfig, parse_size
 from kvstrata.entrypoints.cli.calibrate import DEFAULT_PROFILE, add_engine_timing
 from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.roofline import HARDWARE, MODELS, roofline
 from kvstrata.sim.routing import ROUTERS
 from kvstrata.sim.simulator import SimConfig, SimResult, Simulator
+from kvstrata.sim.speculation import DEFAULT_ALPHA, Acceptance, speedup
 from kvstrata.sim.traces import read_mooncake
 
 CAPACITIES = ("device_cache_tokens", "host_cache_tokens", "store_cache_tokens")
@@ -44,6 +47,7 @@ def add_simulate(commands: argparse._SubParsersAction) -> None:
                                                   "on a virtual clock")
     _add_trace_flags(parser)
     _add_engine_flags(parser)
+    _add_speculation_flags(parser)
     _add_cost_flags(parser)
     output = _add_output_flags(parser)
     add_engine_timing(output)          # --validate runs and times the engine as calibrate does
@@ -88,6 +92,26 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--store-timeout", type=float, default=SimConfig.store_timeout)
 
 
+def _add_speculation_flags(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding: the engine's config, and the workload's acceptance the simulator draws from."""
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-config", metavar="JSON", default=None,
+                      help="as `kvstrata serve` takes it (num_speculative_tokens, disable_by_batch_size; the "
+                           f"lookup fields are the engine's), e.g. '{SPECULATIVE_EXAMPLE}': the trace is replayed "
+                           "without and with it, and the report says what it buys; with --validate, the "
+                           "engine's speed-up against the predicted one at two loads")
+    spec.add_argument("--spec-acceptance", metavar="A|A1,A2,..", default=None,
+                      help="the workload's draft acceptance: one number, each draft accepted with that "
+                           "probability after an accepted one (geometric); or per position i, P(at least i "
+                           "drafts accepted) in a step with drafts, as the engine's spec_decode_num_accepted_"
+                           f"tokens_per_pos / spec_decode_num_drafts measure it (default {DEFAULT_ALPHA})")
+    spec.add_argument("--spec-draft-rate", type=float, default=None,
+                      help="share of decodes that find a draft (an n-gram lookup can miss; default 1)")
+    spec.add_argument("--spec-draft-lengths", metavar="S1,S2,..", default=None,
+                      help="per position i, P(a draft has at least i tokens): 1 first (default: every draft "
+                           "has num_speculative_tokens)")
+
+
 def _add_cost_flags(parser: argparse.ArgumentParser) -> None:
     """Where step and transfer times come from: a calibrated profile or a roofline."""
     cost = parser.add_argument_group("cost model").add_mutually_exclusive_group()
@@ -108,9 +132,10 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     out.add_argument("--validate", action="store_true",
                      help="replay a slice on the real engine and in the simulator at three loads (or at "
                           "--time-scale); print the figures and relative errors")
-    out.add_argument("--slice", default="plain", choices=("plain", "sessions"),
-                     help="--validate: the slice (plain: a real slice, device cache only; sessions: chat "
-                          "sessions shrunk to 32 tokens per hash id, host tier and disk store on)")
+    out.add_argument("--slice", default=None, choices=("plain", "sessions", "speculative"),
+                     help="--validate: the slice (plain, the default: a real slice, device cache only; sessions: "
+                          "chat sessions shrunk to 32 tokens per hash id, host tier and disk store on; "
+                          "speculative, the default with --speculative-config: 10 requests of up to 128 tokens)")
     out.add_argument("--repeat", type=int, default=1, help="--validate: engine replays per load (the spread is noise)")
     return out
 
@@ -134,7 +159,19 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
                      max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
                      policy=args.policy, write_policy=args.write_policy, store_timeout=args.store_timeout,
-                     audit=args.audit).validate()
+                     audit=args.audit, **speculation(args)).validate()
+
+
+def speculation(args: argparse.Namespace) -> dict:
+    """SimConfig's speculative fields from the flags (none without --speculative-config)."""
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None:
+        if (args.spec_acceptance, args.spec_draft_rate, args.spec_draft_lengths) != (None, None, None):
+            raise ValueError("--spec-acceptance, --spec-draft-rate and --spec-draft-lengths need --speculative-config")
+        return {}
+    rate = 1.0 if args.spec_draft_rate is None else args.spec_draft_rate
+    acceptance = Acceptance.parse(args.spec_acceptance or str(DEFAULT_ALPHA), rate, args.spec_draft_lengths)
+    return {"speculative": spec, "acceptance": acceptance}
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -148,6 +185,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         # Capacity planning for the machine a profile came from is a fine use: say so, do not refuse.
         print(f"note: {elsewhere}; the figures below are for that machine (`kvstrata calibrate` fits one for this)")
     base = sim_config(args, cost)
+    if args.sweep is None and base.speculative is not None:
+        return compare_speculation(args, trace, base, cost)
     if args.sweep is None:
         result = simulate(trace, base, cost)
         report = result.to_json()
@@ -174,6 +213,23 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def compare_speculation(args: argparse.Namespace, trace, config: SimConfig, cost: CostModel) -> int:
+    """The trace without and with speculation, and the ratios: what speculation buys this fleet."""
+    plain = simulate(trace, dataclasses.replace(config, speculative=None, acceptance=None), cost, "without").to_json()
+    spec = simulate(trace, config, cost, "with").to_json()
+    gains = speedup(plain, spec)
+    write_json(args.output_json, {"without": plain, "with": spec, "speedup": gains})
+    print(headline(plain, "without speculation: "))
+    print(headline(spec, "with speculation:    "))
+    drafts = spec["speculation"]
+    print(f"speculation ({config.speculative.num_speculative_tokens} drafts): throughput x{gains['throughput']:.2f}, "
+          f"TPOT p50 x{gains['tpot_p50']:.2f} ({plain['tpot_s']['p50'] * 1000:.1f} -> {spec['tpot_s']['p50'] * 1000:.1f} "
+          f"ms), p99 x{gains['tpot_p99']:.2f} ({plain['tpot_s']['p99'] * 1000:.1f} -> {spec['tpot_s']['p99'] * 1000:.1f} "
+          f"ms); {drafts['num_drafts']:,} steps with drafts, acceptance rate {drafts['acceptance_rate']:.2f}, "
+          f"mean accepted length {drafts['mean_accepted_length']:.2f}, mean draft {drafts['mean_draft_length']:.2f}")
+    return 0
+
+
 def run_validation(args: argparse.Namespace) -> int:
     """`--validate`: a slice at three loads (or one --time-scale), on the real engine and in the simulator."""
     from kvstrata.calibration.slices import SLICES
@@ -185,12 +241,21 @@ def run_validation(args: argparse.Namespace) -> int:
         raise ValueError(f"{elsewhere}. Validation times the real engine here against the profile: calibrate on "
                          f"this machine first (`kvstrata calibrate --output my-profile.json`, ~10 min) and pass "
                          f"--profile my-profile.json")
-    chosen = SLICES[args.slice]
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    chosen = SLICES[args.slice or ("plain" if spec is None else "speculative")]
     overrides = {"skip": args.skip, "requests": args.max_requests, "max_input_tokens": args.max_input_tokens,
                  "max_output_tokens": args.max_output_tokens}
     chosen = dataclasses.replace(chosen, **{k: v for k, v in overrides.items() if v is not None})
     scales = None if args.time_scale is None else {"given": args.time_scale}
     print(f"validating slice {chosen.name!r} with {cost.source}")
+    if spec is not None:
+        from kvstrata.calibration.speculation import validate_speculation
+
+        report = validate_speculation(args.trace, chosen, spec, cost, args.threads, args.clock, scales,
+                                      args.max_num_seqs or 32)
+        print(speculation_table(report))
+        write_json(args.output_json, report)
+        return 0
     report = validate(args.trace, chosen, cost, args.threads, args.clock, time_scales=scales, repeat=args.repeat,
                       max_num_seqs=args.max_num_seqs or 32)
     print(validation_table(report))
@@ -219,6 +284,30 @@ def validation_table(report: dict) -> str:
             engine = " ".join(f"{v:.4f}" for v in row["engine"])
             errors = " ".join("n/a" if e is None else f"{e:+.1%}" for e in row["relative_error"])
             lines.append(f"{name:20}{engine:>26}{row['simulator']:11.4f}{errors:>20}")
+    return "\n".join(lines)
+
+
+def speculation_table(report: dict) -> str:
+    """One block per load: the speed-ups of speculation, engine against simulator, and the acceptance."""
+    lines = [f"{report['requests']} requests, steps timed by {report['clock']}"]
+    for level, data in report["levels"].items():
+        accepted = data["acceptance"]
+        drafted = data["drafted_steps"]
+        error = "n/a" if drafted["error"] is None else f"{drafted['error']:+.1%}"
+        loads = " -> ".join(f"{load[0]:.2f}" for load in data["loadavg"] if load)
+        lines.append(f"\n{level}: time scale {data['time_scale']:.4g}, loadavg (1 min) {loads}; measured acceptance per position "
+                     f"{', '.join(f'{a:.2f}' for a in accepted['per_position'])}, draft lengths "
+                     f"{', '.join(f'{s:.2f}' for s in accepted['draft_lengths'])}, draft rate "
+                     f"{accepted['draft_rate']:.2f}; {drafted['steps']} steps with drafts: engine "
+                     f"{drafted['engine_s']:.2f}s, profile {drafted['profile_s']:.2f}s ({error})")
+        lines.append(f"{'speed-up':20}{'engine':>10}{'simulator':>11}{'error':>9}")
+        for name, row in data["speedup"].items():
+            error = "n/a" if row["relative_error"] is None else f"{row['relative_error']:+.1%}"
+            lines.append(f"{name:20}{row['engine']:10.3f}{row['simulator']:11.3f}{error:>9}")
+        for side, runs in data["figures"].items():
+            lines.append(f"{side:10} " + "; ".join(
+                f"{name} {r['throughput_tok_s']:.1f} tok/s, TPOT p50 {r['tpot_s']['p50'] * 1000:.1f} ms "
+                f"p99 {r['tpot_s']['p99'] * 1000:.1f} ms" for name, r in runs.items()))
     return "\n".join(lines)
 
 
