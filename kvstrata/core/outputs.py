@@ -19,10 +19,10 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class HandOff:
     """What a prefill engine hands a decode engine through the shared store (on the final output of a
-    request added with `hand_off`): its full prompt blocks, and how many of them, from the first, are
-    in the store. The decode engine loads those and recomputes the rest."""
+    request added with `hand_off`): the full blocks before its last prompt token, and how many of them,
+    from the first, are in the store. The decode engine loads those and computes the rest."""
 
-    block_hashes: tuple[bytes, ...]     # every full prompt block, in order
+    block_hashes: tuple[bytes, ...]     # the full blocks before the last prompt token, in order
     num_stored: int                     # leading blocks whose store writes landed
     wait_seconds: float                 # how long the answer waited for the writes
 

@@ -213,11 +213,12 @@ class TierManager:
 
     # ---- handing KV over to another engine (docs/design/disaggregation.md) ----------------------
     def hand_off(self, request: Request) -> list[BlockHash]:
-        """Write the request's full prompt blocks to the store, for another engine to load: those this
-        engine has not written yet and still holds (right after the request ends, all of them). Their
-        hashes, in order; `stored_run` says how many of them have landed."""
+        """Write the request's prompt blocks another engine would load to the store: the full blocks
+        before the last prompt token (which that engine computes for its logits), those this engine
+        has not written yet and still holds (right after the request ends, all of them). Their hashes,
+        in order; `stored_run` says how many of them have landed."""
         size = self.block_size
-        hashes = request.block_hashes[:request.num_prompt_tokens // size]
+        hashes = request.block_hashes[:(request.num_prompt_tokens - 1) // size]
         if self.store_io is None:
             return hashes
         for index, block_hash in enumerate(hashes):

@@ -35,15 +35,17 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
-               allowed_origins: Sequence[str] = (), tracing: RequestTracing | None = None) -> FastAPI:
+               allowed_origins: Sequence[str] = (), tracing: RequestTracing | None = None,
+               disaggregation_mode: str = "both") -> FastAPI:
     """The HTTP API over a started AsyncLLMEngine. `allowed_origins`: CORS (none: no CORS headers);
-    `tracing`: where each finished request's trace goes (None: no tracing; the caller shuts it down)."""
+    `tracing`: where each finished request's trace goes (None: no tracing; the caller shuts it down);
+    `disaggregation_mode`: the prefill/decode handoffs it takes (kvstrata.entrypoints.openai.handoff)."""
     assert engine.info is not None and engine.prompts is not None, "start() the engine before serving it"
     info = engine.info
     app = FastAPI(title="kvstrata", version=__version__)
     metrics = ServerMetrics(lambda: engine.snapshot, info.max_model_len, model_name)
     state = ServerState(engine, model_name, info.max_model_len, info.vocab_size, api_key, max_queue, metrics,
-                        engine.prompts, tracing=tracing)
+                        engine.prompts, tracing=tracing, disaggregation_mode=disaggregation_mode)
     app.state.kvstrata = state
     _handle_errors(app, state)
 
