@@ -64,7 +64,7 @@ def usage(finals: Sequence[RequestOutput], jobs: Sequence[Job], shape: OutputSha
             "accepted_prediction_tokens": accepted,
             "rejected_prediction_tokens": sum(out.num_draft_tokens for out in finals) - accepted}
     if shape.transfer is not None:
-        body["kv_transfer"] = decode_usage(shape.transfer, jobs[0].first)
+        body["kv_transfer"] = decode_usage(shape.transfer, jobs[0].first, finals[0] if finals else None)
     return body
 
 

@@ -29,6 +29,7 @@ class Transfer:
     role: str                                  # "prefill" or "decode"
     prompt_token_ids: list[int] | None = None  # decode: the prompt
     handed_over_tokens: int = 0                # decode: prompt tokens whose KV the prefill engine stored
+    store_wait_seconds: float = 0.0            # decode: how long the prefill engine waited for its writes
 
 
 def transfer_of(state: ServerState, body: SamplingBody, num_prompts: int) -> Transfer | None:
@@ -46,7 +47,7 @@ def transfer_of(state: ServerState, body: SamplingBody, num_prompts: int) -> Tra
         if body.stream:
             raise ApiError(400, "a prefill handoff answers once: stream must be false", param="stream")
         return Transfer(role)
-    return Transfer(role, params.prompt_token_ids, _handed_over(state, params))
+    return Transfer(role, params.prompt_token_ids, _handed_over(state, params), params.store_wait_seconds)
 
 
 def _handed_over(state: ServerState, params: KVTransferParams) -> int:
@@ -79,12 +80,17 @@ def count_prefill(state: ServerState, final: RequestOutput) -> None:
                           handoff.wait_seconds)
 
 
-def decode_usage(transfer: Transfer, first: RequestOutput) -> dict:
-    """The handoff in a decode engine's `usage`: tokens handed over, and those of them recomputed (a
-    block missing or corrupt in the store, or one the store dropped)."""
+def decode_usage(transfer: Transfer, first: RequestOutput, final: RequestOutput | None = None) -> dict:
+    """The handoff in a decode engine's `usage`: tokens handed over, those of them recomputed (a block
+    missing or corrupt in the store), and the transfer's time: the prefill engine's wait for its
+    store writes, and this engine's load (known at the end: `final`'s timeline)."""
     loaded = min(transfer.handed_over_tokens, first.num_cached_tokens)
-    return {"handed_over_tokens": transfer.handed_over_tokens,
-            "recomputed_tokens": transfer.handed_over_tokens - loaded}
+    usage = {"handed_over_tokens": transfer.handed_over_tokens,
+             "recomputed_tokens": transfer.handed_over_tokens - loaded,
+             "store_wait_seconds": round(transfer.store_wait_seconds, 6)}
+    if final is not None and final.timeline is not None:
+        usage["load_seconds"] = round(final.timeline.breakdown()["load"], 6)
+    return usage
 
 
 def count_decode(state: ServerState, transfer: Transfer, first: RequestOutput) -> None:

@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from kvstrata.core.disconnects import ClientGone, unless_disconnected
 from kvstrata.core.outputs import RequestOutput
 from kvstrata.core.sampling_params import GrammarSpec, SamplingParams
 from kvstrata.engine.prompts import Prompt
@@ -83,7 +84,10 @@ async def respond(state: ServerState, request: Request, body: SamplingBody, gene
         jobs.append(Job(index, echo, RequestTracker(state, arrival, engine_id, params.num_samples),
                         state.engine.generate(prompt, params, engine_id, body.priority, generation.prediction,
                                               hand_off)))
-    await _first_outputs(jobs, chat, body)
+    try:
+        await unless_disconnected(request.is_disconnected, _first_outputs(jobs, chat, body))
+    except ClientGone:       # left before its first token (a long prefill, a load): aborted there and then
+        return Response(status_code=499)
     if transfer is not None and transfer.role == "decode":
         count_decode(state, transfer, jobs[0].first)
     shape = OutputShape(chat, params.n, generation.tools, generation.max_tokens == 0, body.return_tokens_as_token_ids,
@@ -206,16 +210,10 @@ async def until_disconnected(request: Request, stream: AsyncIterator) -> AsyncIt
     iterator = stream.__aiter__()
     try:
         while True:
-            step = asyncio.ensure_future(anext(iterator))
-            while not step.done():
-                done, _ = await asyncio.wait({step}, timeout=0.5)
-                if not done and await request.is_disconnected():
-                    step.cancel()
-                    await asyncio.wait({step})         # let it unwind before the stream is closed
-                    return
             try:
-                yield step.result()
-            except StopAsyncIteration:
+                item = await unless_disconnected(request.is_disconnected, anext(iterator))
+            except (ClientGone, StopAsyncIteration):
                 return
+            yield item
     finally:
         await iterator.aclose()
