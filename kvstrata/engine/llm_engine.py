@@ -3,7 +3,7 @@
     step():  schedule -> run the model -> update the ledger -> turn tokens into outputs
 
 A request added with `hand_off` (a prefill engine's, docs/design/disaggregation.md) ends as any
-other, then its full prompt blocks go to the store and its last output is held until their writes
+other, then its prompt's full blocks go to the store and its last output is held until their writes
 have settled (landed, failed or past the store's deadline), and carries what reached the store.
 
 A step that raises (the model, the sampler, a bug) costs the requests of that step, never the
@@ -76,7 +76,7 @@ class _Tracked:
 class _HeldHandOff:
     """The last output of a handed-off request, held until the store writes of its blocks settle."""
 
-    output: RequestOutput | None
+    output: RequestOutput
     hashes: list[BlockHash]
     since: float
 
@@ -321,8 +321,6 @@ class LLMEngine:
         tracked.reported = True
         if finished:
             del self._tracked[request.request_id]
-            if tracked.hand_off and request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-                self._handoffs[request.request_id] = _HeldHandOff(None, self.tiers.hand_off(request), time.monotonic())
             self._timelines.forget(request.request_id)
             tracked.timeline.finished = time.monotonic()
             if tracked.family_id in self._families and not any(
@@ -337,8 +335,9 @@ class LLMEngine:
                                list(tracked.prompt_logprobs) if first and tracked.prompt_logprobs else None,
                                tracked.timeline if finished else None, request.num_draft_tokens,
                                request.num_accepted_tokens)
-        if finished and request.request_id in self._handoffs:
-            self._handoffs[request.request_id].output = output
+        if finished and tracked.hand_off and request.status in (RequestStatus.FINISHED_LENGTH,
+                                                                RequestStatus.FINISHED_STOPPED):
+            self._handoffs[request.request_id] = _HeldHandOff(output, self.tiers.hand_off(request), time.monotonic())
         return output
 
     def _settled_handoffs(self) -> list[RequestOutput]:
