@@ -20,7 +20,14 @@ from collections import Counter
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvstrata.core.request import RequestStatus
 from tests.kvcache.fakes import FakeStore, at_rest, drive, make_request, make_tiered_scheduler, step
@@ -59,25 +66,25 @@ def handoff_machine(reached: Counter) -> type[RuleBasedStateMachine]:
             self.prefill.add_request(request)
             self.prefilling[request.request_id] = request
 
-        @rule()
-        def step_prefill(self):
-            if any(r.status is RequestStatus.RUNNING for r in self.prefilling.values()):
-                reached["prefill_running"] += 1
-            step(self.prefill, self.p_runner)
-            self.p_clock.now += 0.25
-            for request_id, request in list(self.prefilling.items()):
-                if request.status is RequestStatus.FINISHED_LENGTH:
-                    del self.prefilling[request_id]
-                    self.waiting_writes[request_id] = (request, self.prefill.tiers.hand_off(request))
+        @rule(outcomes=st.lists(st.sampled_from(["ok", "ok", "ok", "fail", "hang"]), min_size=1, max_size=8))
+        def prefill_side_runs(self, outcomes):
+            """Steps of the prefill side, each followed by one store call answered as drawn; then the
+            answers whose writes have settled go out."""
+            for outcome in outcomes:
+                if any(r.status is RequestStatus.RUNNING for r in self.prefilling.values()):
+                    reached["prefill_running"] += 1
+                step(self.prefill, self.p_runner)
+                self.p_clock.now += 0.25
+                for request_id, request in list(self.prefilling.items()):
+                    if request.status is RequestStatus.FINISHED_LENGTH:
+                        del self.prefilling[request_id]
+                        self.waiting_writes[request_id] = (request, self.prefill.tiers.hand_off(request))
+                if outcome == "hang":
+                    self.p_calls.hang_next()
+                else:
+                    self.p_calls.run_next(fault=None if outcome == "ok" else "connection")
+                self.settle_answers()
 
-        @rule(outcome=st.sampled_from(["ok", "ok", "ok", "fail", "hang"]))
-        def prefill_store_call(self, outcome):
-            if outcome == "hang":
-                self.p_calls.hang_next()
-            else:
-                self.p_calls.run_next(fault=None if outcome == "ok" else "connection")
-
-        @rule()
         def settle_answers(self):
             for request_id, (request, hashes) in list(self.waiting_writes.items()):
                 stored, pending = self.prefill.tiers.stored_run(hashes)
@@ -98,26 +105,28 @@ def handoff_machine(reached: Counter) -> type[RuleBasedStateMachine]:
             self.decode.add_request(request)
             self.decoding[request.request_id] = (request, stored)
 
-        @rule()
-        def step_decode(self):
-            if any(r.status is RequestStatus.LOADING for r, _ in self.decoding.values()):
-                reached["decode_loading"] += 1
-            step(self.decode, self.d_runner)
-            self.d_clock.now += 0.25
-            for request_id, (request, stored) in list(self.decoding.items()):
-                if request.status is RequestStatus.FINISHED_LENGTH:
-                    del self.decoding[request_id]
-                    reached["decode_finished"] += 1
-                    if stored:
-                        reached["decode_loaded" if request.num_cached_tokens >= stored * 4 else "decode_recomputed"] += 1
-
-        @rule(outcome=st.sampled_from(["ok", "ok", "fail", "hang", "corrupt", "swap"]))
-        def decode_store_call(self, outcome):
-            if outcome == "hang":
-                self.d_calls.hang_next()
-            else:
-                self.d_calls.run_next(fault="connection" if outcome == "fail" else None, corrupt=outcome == "corrupt",
-                                      swap=outcome == "swap")
+        @rule(outcomes=st.lists(st.sampled_from(["ok", "ok", "ok", "fail", "hang", "corrupt", "swap", "none"]),
+                                min_size=1, max_size=8))
+        def decode_side_runs(self, outcomes):
+            """Steps of the decode side, each followed by one store call answered as drawn (none: the
+            calls out stay out, so a load may still run when the client leaves)."""
+            for outcome in outcomes:
+                if any(r.status is RequestStatus.LOADING for r, _ in self.decoding.values()):
+                    reached["decode_loading"] += 1
+                step(self.decode, self.d_runner)
+                self.d_clock.now += 0.25
+                for request_id, (request, stored) in list(self.decoding.items()):
+                    if request.status is RequestStatus.FINISHED_LENGTH:
+                        del self.decoding[request_id]
+                        reached["decode_finished"] += 1
+                        if stored:
+                            loaded = request.num_cached_tokens >= stored * 4
+                            reached["decode_loaded" if loaded else "decode_recomputed"] += 1
+                if outcome == "hang":
+                    self.d_calls.hang_next()
+                elif outcome != "none":
+                    self.d_calls.run_next(fault="connection" if outcome == "fail" else None,
+                                          corrupt=outcome == "corrupt", swap=outcome == "swap")
 
         # ---- a client leaving -----------------------------------------------------------------------
         @rule(where=st.sampled_from(["prefill", "waiting_writes", "between", "decode"]), which=st.integers(0, 3))
