@@ -164,6 +164,8 @@ def test_a_client_leaving_at_each_point_frees_everything_on_both_engines(smollm2
         leave_after(base, 0.5, {"prompt": LONG_PROMPT, "max_tokens": 4})
         at_rest(prefill)
         assert prefill[1].stats.prompt_tokens_computed < len(smollm2.tokenizer.encode(LONG_PROMPT))
+        aborted = 'kvstrata_requests_finished_total{model_name="SmolLM2-135M-Instruct",outcome="abort"}'
+        assert scrape(prefill[0])[aborted] == 1
 
         # 2. Between the legs: the decode engine chosen (a hung one) never takes the request.
         hole_view = next(view for view in fleet.views if view.url == hole.url)

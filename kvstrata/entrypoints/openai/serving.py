@@ -87,6 +87,8 @@ async def respond(state: ServerState, request: Request, body: SamplingBody, gene
     try:
         await unless_disconnected(request.is_disconnected, _first_outputs(jobs, chat, body))
     except ClientGone:       # left before its first token (a long prefill, a load): aborted there and then
+        for job in jobs:
+            job.tracker.done()
         return Response(status_code=499)
     if transfer is not None and transfer.role == "decode":
         count_decode(state, transfer, jobs[0].first)
