@@ -41,7 +41,7 @@ serve: $(STAMP)
 	$(BIN)/kvstrata serve $(SERVE_ARGS) $(ARGS)
 
 # One Redis, two engines sharing it as their store, `kvstrata router` in front (port 8000); Ctrl-C stops all.
-# Settings: PORT, POLICY, REDIS_PORT, ENGINE_PORTS, ENGINE_ARGS, THREADS (see scripts/fleet.sh).
+# Settings: PORT, POLICY, REDIS_PORT, ENGINE_PORTS, ENGINE_ARGS, THREADS, PD=1 (see scripts/fleet.sh).
 fleet: $(STAMP)
 	BIN=$(BIN) scripts/fleet.sh
 

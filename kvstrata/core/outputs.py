@@ -16,6 +16,17 @@ class TokenLogprob:
     rank: int = 1                  # 1 + how many tokens the model thought likelier
 
 
+@dataclass(frozen=True)
+class HandOff:
+    """What a prefill engine hands a decode engine through the shared store (on the final output of a
+    request added with `hand_off`): the full blocks before its last prompt token, and how many of them,
+    from the first, are in the store. The decode engine loads those and computes the rest."""
+
+    block_hashes: tuple[bytes, ...]     # the full blocks before the last prompt token, in order
+    num_stored: int                     # leading blocks whose store writes landed
+    wait_seconds: float                 # how long the answer waited for the writes
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request, as the engine hands it to callers."""
@@ -39,6 +50,7 @@ class RequestOutput:
     timeline: RequestTimeline | None = None      # on the last output: where the request's time went
     num_draft_tokens: int = 0      # speculative draft tokens verified so far (OpenAI: accepted + rejected
     num_accepted_draft_tokens: int = 0             # prediction tokens, when the drafts came from a prediction)
+    kv_transfer: HandOff | None = None   # on the last output of a request added with hand_off
 
 
 def best_samples(outputs: list[RequestOutput], n: int) -> list[RequestOutput]:

@@ -89,10 +89,11 @@ class AsyncLLMEngine:
             self._in_flight += delta
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, prediction: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, prediction: str | None = None,
+                       hand_off: bool = False) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as steps produce them (a family's samples interleaved,
-        told apart by `index`), until every sample finished. ValueError if it cannot run. `prediction`:
-        see LLMEngine.add_request."""
+        told apart by `index`), until every sample finished. ValueError if it cannot run. `prediction`,
+        `hand_off`: see LLMEngine.add_request."""
         if self.error is not None or self._stop.is_set():
             raise RuntimeError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -101,7 +102,7 @@ class AsyncLLMEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         self._count(1)
         try:
-            self._send(("add", (prompt, params, request_id, priority, prediction), admitted, (loop, outputs)))
+            self._send(("add", (prompt, params, request_id, priority, prediction, hand_off), admitted, (loop, outputs)))
             try:
                 await admitted
             except asyncio.CancelledError:
@@ -218,9 +219,9 @@ class AsyncLLMEngine:
 
     def _add(self, payload: tuple, future: asyncio.Future, stream: tuple) -> None:
         loop, _ = stream
-        prompt, params, request_id, priority, prediction = payload
+        prompt, params, request_id, priority, prediction, hand_off = payload
         try:
-            self._engine.add_request(prompt, params, request_id, priority, prediction=prediction)
+            self._engine.add_request(prompt, params, request_id, priority, prediction=prediction, hand_off=hand_off)
         except Exception as exc:      # a bad request: its caller gets the error, the engine goes on
             _post(loop, _settle, future, exc)
             return

@@ -2,6 +2,10 @@
 
     step():  schedule -> run the model -> update the ledger -> turn tokens into outputs
 
+A request added with `hand_off` (a prefill engine's, docs/design/disaggregation.md) ends as any
+other, then its prompt's full blocks go to the store and its last output is held until their writes
+have settled (landed, failed or past the store's deadline), and carries what reached the store.
+
 A step that raises (the model, the sampler, a bug) costs the requests of that step, never the
 engine: they end with finish reason "error", everything they held is released, and `audit()`
 proves it. Only an audit that fails after that recovery is fatal (`EngineDeadError`).
@@ -24,8 +28,8 @@ from typing import Any
 
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.errors import RequestRejected
-from kvstrata.core.hashing import BlockHasher
-from kvstrata.core.outputs import RequestOutput, TokenLogprob, best_samples
+from kvstrata.core.hashing import BlockHash, BlockHasher
+from kvstrata.core.outputs import HandOff, RequestOutput, TokenLogprob, best_samples
 from kvstrata.core.request import Request, RequestStatus, SampleFamily
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.core.timeline import RequestTimeline
@@ -65,6 +69,16 @@ class _Tracked:
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     reported: bool = False             # an output has gone out (prompt logprobs ride on the first)
+    hand_off: bool = False             # a prefill engine's request: its blocks go to the store, then it answers
+
+
+@dataclass
+class _HeldHandOff:
+    """The last output of a handed-off request, held until the store writes of its blocks settle."""
+
+    output: RequestOutput
+    hashes: list[BlockHash]
+    since: float
 
 
 class LLMEngine:
@@ -93,6 +107,7 @@ class LLMEngine:
         self._families: dict[str, list[str]] = {}     # family id -> its samples' request ids (n > 1)
         self._ids = itertools.count()
         self._timelines = TimelineRecorder()
+        self._handoffs: dict[str, _HeldHandOff] = {}     # request id -> its held last output
         self.step_cost = StepCostModel()         # what a step costs here, learned from the steps run
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -102,14 +117,16 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    prediction: str | Sequence[int] | None = None) -> Request:
+                    prediction: str | Sequence[int] | None = None, hand_off: bool = False) -> Request:
         """Tokenize, validate and queue a request; ValueError (nothing queued) if it cannot run.
 
         `params.max_tokens` None means as many as the context leaves after the prompt. With n or
         best_of above 1 the request is a family of samples `{request_id}/{index}` sharing one
         prefill (see SampleFamily); its outputs carry `request_id` and their `index`. Returns the
         request (a family's leader). `prediction` (OpenAI predicted outputs: the text or token ids
-        the output is expected to be) is where its speculative drafts come from.
+        the output is expected to be) is where its speculative drafts come from. `hand_off`: write
+        the prompt's full blocks to the store for a decode engine before the last output goes out
+        (see HandOff); needs a store and n == 1.
         """
         token_ids = self.prompts.encode(prompt)
         params = self._resolved(params or SamplingParams(), token_ids)
@@ -118,6 +135,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         arrival = time.monotonic() if arrival_time is None else arrival_time
         num_samples = params.num_samples
+        if hand_off:
+            self._check_hand_off(num_samples)
         bad_words = self.prompts.bad_word_sequences(params.bad_words)
         predicted = tuple(self.prompts.encode(prediction)) if prediction else ()
         samples = [Request(request_id if num_samples == 1 else f"{request_id}/{index}", token_ids,
@@ -139,8 +158,16 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
                                                  params.skip_special_tokens, params.spaces_between_special_tokens)
             self._tracked[sample.request_id] = _Tracked(sample, detokenizer, request_id, params.logprobs is not None,
-                                                        prompt_logprobs, RequestTimeline(arrival))
+                                                        prompt_logprobs, RequestTimeline(arrival), hand_off=hand_off)
         return samples[0]
+
+    def _check_hand_off(self, num_samples: int) -> None:
+        if self.store is None:
+            raise RequestRejected("this engine has no store to hand KV over through (--store)", "kv_transfer_params")
+        if not self.config.cache.enable_prefix_caching:
+            raise RequestRejected("handing KV over needs prefix caching on this engine", "kv_transfer_params")
+        if num_samples > 1:
+            raise RequestRejected("a handed-off request takes one sample (n and best_of 1)", "n")
 
     def _lookahead(self, params: SamplingParams, prediction: Sequence[int]) -> int:
         """Draft tokens a request verifies per step: with --speculative-config or a prediction, unless
@@ -188,12 +215,13 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._handoffs)
 
     @property
     def has_work(self) -> bool:
-        """Requests to serve or transfers to settle; step() until this is False to reach rest."""
-        return self.scheduler.has_work
+        """Requests to serve, transfers to settle or handed-off outputs to release; step() until this is
+        False to reach rest."""
+        return self.scheduler.has_work or bool(self._handoffs)
 
     def map_kv_pages(self, max_bytes: int) -> bool:
         """Map up to `max_bytes` of the device, then the host KV buffers' fresh pages (see
@@ -221,6 +249,7 @@ class LLMEngine:
             self.stats.count_drafts({c.request.request_id: len(c.draft_token_ids) for c in output.chunks
                                      if c.draft_token_ids}, result.accepted)
             outputs = self._outputs(before, result, finished)
+            outputs = [out for out in outputs if out.request_id not in self._handoffs] + self._settled_handoffs()
         except Exception as exc:
             return self._recover(exc, output)
         self._account(output, result.accepted, started)
@@ -296,15 +325,31 @@ class LLMEngine:
             if tracked.family_id in self._families and not any(
                     rid in self._tracked for rid in self._families[tracked.family_id]):
                 del self._families[tracked.family_id]
-        return RequestOutput(tracked.family_id, new_token_ids, tracked.detokenizer.delta(final=finished),
-                             finished, request.status.finish_reason, request.num_prompt_tokens,
-                             max(0, request.num_cached_tokens), request.num_output_tokens, logprobs,
-                             request.first_scheduled_time, request.sample_index,
-                             tracked.cumulative_logprob if tracked.logprobs else None,
-                             list(request.prompt_token_ids) if first else None,
-                             list(tracked.prompt_logprobs) if first and tracked.prompt_logprobs else None,
-                             tracked.timeline if finished else None, request.num_draft_tokens,
-                             request.num_accepted_tokens)
+        output = RequestOutput(tracked.family_id, new_token_ids, tracked.detokenizer.delta(final=finished),
+                               finished, request.status.finish_reason, request.num_prompt_tokens,
+                               max(0, request.num_cached_tokens), request.num_output_tokens, logprobs,
+                               request.first_scheduled_time, request.sample_index,
+                               tracked.cumulative_logprob if tracked.logprobs else None,
+                               list(request.prompt_token_ids) if first else None,
+                               list(tracked.prompt_logprobs) if first and tracked.prompt_logprobs else None,
+                               tracked.timeline if finished else None, request.num_draft_tokens,
+                               request.num_accepted_tokens)
+        if finished and tracked.hand_off and request.status in (RequestStatus.FINISHED_LENGTH,
+                                                                RequestStatus.FINISHED_STOPPED):
+            self._handoffs[request.request_id] = _HeldHandOff(output, self.tiers.hand_off(request), time.monotonic())
+        return output
+
+    def _settled_handoffs(self) -> list[RequestOutput]:
+        """The held last outputs whose requests' store writes have settled, with what reached the store."""
+        settled = []
+        for request_id, held in list(self._handoffs.items()):
+            num_stored, pending = self.tiers.stored_run(held.hashes)
+            if pending:
+                continue
+            del self._handoffs[request_id]
+            settled.append(dataclasses.replace(held.output, kv_transfer=HandOff(
+                tuple(held.hashes), num_stored, time.monotonic() - held.since)))
+        return settled
 
     def _final_outputs(self) -> list[RequestOutput]:
         """The last output of every tracked request that has finished (each is reported once)."""
@@ -338,6 +383,9 @@ class LLMEngine:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """End a request (every sample of a family) in any state and release its blocks; the final
         outputs of what was still running (none if the id is unknown or done)."""
+        held = self._handoffs.pop(request_id, None)
+        if held is not None:            # it had ended; only its answer was waiting for the store
+            return [held.output]
         for sample_id in self._families.get(request_id, [request_id]):
             self.scheduler.finish(sample_id)
         return self._final_outputs()

@@ -4,7 +4,8 @@
     loads     `get` of the records a committed plan loads (its LoadTransfer owns the blocks)
     writes    `put` of a block's record, `delete` of a bad one; past the deadline nobody waits
     written   the hashes this engine wrote and the order their writes landed in: nothing is written
-              twice, and a write that landed after a request's lookup still counts as a hit
+              twice, a write that landed after a request's lookup still counts as a hit, and a
+              prefill engine knows which of a request's blocks reached the store (`landed_run`)
 
 A call that fails or outlives `timeout` is counted by kind in `CacheStats.store_errors` and answers
 "no hits" or "not written"; nothing here raises but `get` (inside commit's transaction, which then
@@ -182,6 +183,17 @@ class StoreIO:
     def delete(self, block_hash: BlockHash) -> None:
         self._submit(self.store.delete, [block_hash], [])
         self._written.pop(block_hash, None)
+
+    def landed_run(self, hashes: Sequence[BlockHash]) -> tuple[int, bool]:
+        """How many of `hashes`, from the first, this engine's writes have put in the store, and whether
+        the write of the next one is still out (its landing would make the run longer). A write that
+        failed or ran past its deadline ends the run."""
+        self.settle()
+        for run, block_hash in enumerate(hashes):
+            landed = self._written.get(block_hash)
+            if landed is None or landed == math.inf:
+                return run, landed is not None
+        return len(hashes), False
 
     @property
     def has_writes(self) -> bool:

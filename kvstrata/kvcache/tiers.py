@@ -66,6 +66,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstrata.core.config import CacheConfig
+from kvstrata.core.hashing import BlockHash
 from kvstrata.core.request import Request
 from kvstrata.kvcache.admission import Admission, AdmissionPlan, DecodeReservation
 from kvstrata.kvcache.audit import audit_tiers, pool_counts, snapshot_tiers
@@ -209,6 +210,28 @@ class TierManager:
     def persist(self, limit: int | None = None) -> int:
         """Start store writes for up to `limit` remembered blocks, oldest first; how many started."""
         return self.write_back.persist(limit)
+
+    # ---- handing KV over to another engine (docs/design/disaggregation.md) ----------------------
+    def hand_off(self, request: Request) -> list[BlockHash]:
+        """Write the request's prompt blocks another engine would load to the store: the full blocks
+        before the last prompt token (which that engine computes for its logits), those this engine
+        has not written yet and still holds (right after the request ends, all of them). Their hashes,
+        in order; `stored_run` says how many of them have landed."""
+        size = self.block_size
+        hashes = request.block_hashes[:(request.num_prompt_tokens - 1) // size]
+        if self.store_io is None:
+            return hashes
+        for index, block_hash in enumerate(hashes):
+            if not self.store_io.wrote(block_hash):
+                self.write_back.write_held(block_hash, tuple(request.token_ids[index * size:(index + 1) * size]))
+        return hashes
+
+    def stored_run(self, hashes: list[BlockHash]) -> tuple[int, bool]:
+        """How many of `hashes`, from the first, are in the store by this engine's writes, and whether a
+        write that could lengthen that run is still out (each write has the store's deadline)."""
+        if self.store_io is None:
+            return 0, False
+        return self.store_io.landed_run(hashes)
 
     # ---- settling loads (loads.py) --------------------------------------------------------------
     def poll_loads(self) -> list[Request]:

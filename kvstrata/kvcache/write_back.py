@@ -123,10 +123,15 @@ class WriteBack:
         started = 0
         while self.unpersisted and (limit is None or started < limit) and self.store_io.has_room():
             block_hash, token_ids = self.unpersisted.popitem(last=False)
-            for tier, pool in (("device", self.device), ("host", self.host)):
-                block = pool.lookup(block_hash, token_ids) if pool is not None else None
-                if block is not None:
-                    self._write_to_store(tier, block.block_id, block_hash, token_ids)
-                    started += 1
-                    break
+            started += self.write_held(block_hash, token_ids)
         return started
+
+    def write_held(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+        """Write a block still held on device or host (CACHED or USED) to the store, unless this engine
+        wrote it already; whether the block was found."""
+        for tier, pool in (("device", self.device), ("host", self.host)):
+            block = pool.lookup(block_hash, token_ids) if pool is not None else None
+            if block is not None:
+                self._write_to_store(tier, block.block_id, block_hash, token_ids)
+                return True
+        return False

@@ -296,12 +296,15 @@ class Simulator:
     def _post(self, at: float, kind: int, function: Callable, argument=None) -> None:
         heapq.heappush(self._events, (at, kind, next(self._seq), function, argument))
 
-    def _arrive(self, index: int) -> None:
+    def _new_request(self, index: int, max_tokens: int) -> Request:
+        """Trace request `index` as an engine's Request (its id is the index: the records' key)."""
         entry = self.trace[index]
-        request = Request(str(index), self.tokens.prompt(entry), SamplingParams(max_tokens=entry.output_length,
-                                                                                ignore_eos=True),
-                          self.tokens.hasher, arrival_time=entry.arrival, block_hashes=self.tokens.block_hashes(entry),
-                          num_lookahead_tokens=self.lookahead)
+        return Request(str(index), self.tokens.prompt(entry), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       self.tokens.hasher, arrival_time=entry.arrival, block_hashes=self.tokens.block_hashes(entry),
+                       num_lookahead_tokens=self.lookahead)
+
+    def _arrive(self, index: int) -> None:
+        request = self._new_request(index, self.trace[index].output_length)
         engine = self.engines[self.router.route(request) if len(self.engines) > 1 else 0]
         self.records[index].engine = engine.index
         engine.scheduler.add_request(request)
@@ -352,17 +355,20 @@ class Simulator:
                 if chunk.draft_token_ids:
                     accepted[request.request_id] = self.drafts.verify(len(chunk.draft_token_ids))
         for request in engine.scheduler.update(output, sampled, accepted):
-            record = records[int(request.request_id)]
-            record.finish, record.cached_tokens = now, request.num_cached_tokens
-            record.preemptions = request.num_preemptions
-            self._finished += 1
-            if self.progress is not None:
-                self.progress(self._finished, len(records))
+            self._finish(engine, request)
         engine.steps += bool(output.chunks)
         if self.config.audit:
             engine.scheduler.audit()
             self._audited += 1
         self._start_step(engine)
+
+    def _finish(self, engine: _Engine, request: Request) -> None:
+        record = self.records[int(request.request_id)]
+        record.finish, record.cached_tokens = self.clock.now, request.num_cached_tokens
+        record.preemptions = request.num_preemptions
+        self._finished += 1
+        if self.progress is not None:
+            self.progress(self._finished, len(self.records))
 
     # ---- results --------------------------------------------------------------------------------
     def _result(self, ideal: float, wall_s: float) -> SimResult:

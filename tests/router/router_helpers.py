@@ -7,18 +7,21 @@ from contextlib import contextmanager
 
 import httpx
 
-from kvstrata.router.proxy import RouterConfig, build_fleet, create_router_app
+from kvstrata.router.fleet import RouterConfig, build_fleet
+from kvstrata.router.proxy import create_router_app
 from tests.entrypoints.server_helpers import serving
 
 
 @contextmanager
 def running_router(engines: list[str], tokenizer, policy: str = "kv_aware", wait_for: int | None = None,
-                   health_interval: float = 0.2, engine_api_key: str | None = None):
-    """Yield (base_url, fleet) once `wait_for` engines (default: all) are in."""
-    config = RouterConfig(tuple(engines), policy, health_interval, request_timeout=60, engine_api_key=engine_api_key)
+                   health_interval: float = 0.2, engine_api_key: str | None = None, **disaggregated):
+    """Yield (base_url, fleet) once `wait_for` engines (default: all) are in. `disaggregated`: the
+    RouterConfig's prefill and decode engines (and handoff_timeout), with `engines` empty."""
+    config = RouterConfig(tuple(engines), policy, health_interval, request_timeout=60, engine_api_key=engine_api_key,
+                          **disaggregated)
     fleet = build_fleet(config, tokenizer)
     with serving(create_router_app(fleet), ready="/metrics") as base:
-        wanted = len(engines) if wait_for is None else wait_for
+        wanted = len(config.all_engines) if wait_for is None else wait_for
         deadline = time.monotonic() + 30
         while sum(view.available for view in fleet.views) < wanted:
             assert time.monotonic() < deadline, f"engines in: {[(v.url, v.available) for v in fleet.views]}"

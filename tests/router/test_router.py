@@ -9,7 +9,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from kvstrata.router.proxy import ENGINE_HEADER
+from kvstrata.router.forwarding import ENGINE_HEADER
 from tests.entrypoints.server_helpers import running_server, scrape, serving
 from tests.router.router_helpers import chat, fake_engine, running_router
 
@@ -197,7 +197,7 @@ def test_a_stream_that_breaks_ends_with_an_error_event_and_a_refusing_engine_is_
 def test_the_router_sees_the_tokens_and_hashes_the_engine_caches(smollm2):
     """Same token ids as the engine's /tokenize (chat template, developer role, content parts, completions),
     and after a request, every full block the router hashes for it is in the engine's published device tier."""
-    from kvstrata.router.proxy import PromptTokens
+    from kvstrata.router.fleet import PromptTokens
 
     tokens = PromptTokens(smollm2.tokenizer)
     messages = [{"role": "developer", "content": "Be brief."},

@@ -34,6 +34,7 @@ from kvstrata.entrypoints.openai.routes import router
 
 BODIES: tuple[type[BaseModel], ...] = (protocol.SamplingBody, protocol.ChatRequest, protocol.CompletionRequest,
                                        protocol.ChatMessage, protocol.StreamOptions, protocol.Prediction,
+                                       protocol.KVTransferParams,
                                        protocol.TokenizeRequest,
                                        protocol.DetokenizeRequest, responses_protocol.ResponsesRequest,
                                        responses_protocol.ResponsesStreamOptions)
@@ -123,6 +124,19 @@ FIELDS: dict[str, str] = {
     "prediction": "OpenAI's predicted output (Prediction, below): speculative decoding drafts from it; the "
                   "output does not change; usage reports `accepted_prediction_tokens` and "
                   "`rejected_prediction_tokens`",
+    "kv_transfer_params": "vLLM's: a prefill/decode handoff (KVTransferParams, below), which `kvstrata router "
+                          "--pd-disaggregation` adds; an engine refuses one its `--disaggregation-mode` does not take",
+    "KVTransferParams.do_remote_decode": "to a prefill engine: answer one token, not streamed, once the prompt's "
+                                         "full blocks are in the store; the answer's `kv_transfer_params` say which",
+    "KVTransferParams.do_remote_prefill": "to a decode engine: the prompt's KV is in the store (the rest of the "
+                                          "object is a prefill engine's answer, sent on as it came)",
+    "KVTransferParams.prompt_token_ids": "the prompt as the prefill engine tokenized it; the decode engine serves it",
+    "KVTransferParams.block_hashes": "the hashes (hex) of the prompt's full blocks before its last token",
+    "KVTransferParams.num_stored_blocks": "how many of them, from the first, the prefill engine's store writes put "
+                                          "in the store (the decode engine loads those, recomputes the rest)",
+    "KVTransferParams.first_token_id": "the prefill engine's first token (informational: the decode engine "
+                                       "computes its own)",
+    "KVTransferParams.store_wait_seconds": "how long the prefill engine's answer waited for its store writes",
     "Prediction.type": '`"content"`, the only kind',
     "Prediction.content": 'the text the output is expected to be, or `{"type": "text", "text"}` parts',
     "web_search_options": "OpenAI: web search",

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+from kvstrata.router.fleet import RouterConfig, build_fleet, load_tokenizer
 from kvstrata.router.policies import POLICIES
-from kvstrata.router.proxy import RouterConfig, build_fleet, create_router_app, load_tokenizer
+from kvstrata.router.proxy import create_router_app
 
 
 def add_router(commands) -> None:
     parser = commands.add_parser("router", help="route OpenAI requests over several `kvstrata serve` engines")
-    parser.add_argument("--engine", action="append", required=True, metavar="URL",
+    parser.add_argument("--engine", action="append", default=[], metavar="URL",
                         help="an engine's base URL (http://host:port); repeat for each engine")
     parser.add_argument("--policy", default="kv_aware", choices=list(POLICIES),
-                        help="routing policy, as `kvstrata simulate --router` (default: kv_aware)")
+                        help="routing policy, as `kvstrata simulate --router`; with --pd-disaggregation, over "
+                             "the prefill engines (default: kv_aware)")
+    parser.add_argument("--pd-disaggregation", action="store_true",
+                        help="prefill/decode disaggregation: each request to a --prefill engine, then to a "
+                             "--decode engine that loads the prompt's KV from the store they share")
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="with --pd-disaggregation: an engine run with --disaggregation-mode prefill; repeat")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="with --pd-disaggregation: an engine run with --disaggregation-mode decode; repeat "
+                             "(chosen least loaded, with a conversation's earlier turns: prefix_affinity)")
+    parser.add_argument("--handoff-timeout", type=float, default=120.0,
+                        help="with --pd-disaggregation: longest wait in seconds for a prefill engine's answer "
+                             "(its prefill and store writes); past it the request is served colocated")
     parser.add_argument("--model", default=None,
                         help="the engines' model, for its tokenizer and chat template (default: the embedded one)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -29,11 +42,20 @@ def run_router(args) -> int:
 
     from kvstrata.entrypoints.cli.serve import ready_server
 
-    config = RouterConfig(tuple(url.rstrip("/") for url in args.engine), args.policy, args.health_interval,
-                          request_timeout=args.request_timeout, engine_api_key=args.engine_api_key).validate()
+    if args.pd_disaggregation != bool(args.prefill or args.decode):
+        raise ValueError("--prefill and --decode engines go with --pd-disaggregation (and it needs both)")
+
+    def urls(given: list[str]) -> tuple[str, ...]:
+        return tuple(url.rstrip("/") for url in given)
+
+    config = RouterConfig(urls(args.engine), args.policy, args.health_interval, request_timeout=args.request_timeout,
+                          engine_api_key=args.engine_api_key, prefill=urls(args.prefill), decode=urls(args.decode),
+                          handoff_timeout=args.handoff_timeout).validate()
     fleet = build_fleet(config, load_tokenizer(args.model))
     server = uvicorn.Config(create_router_app(fleet), host=args.host, port=args.port,
                             log_level=args.log_level.lower(), access_log=False)
-    ready_server(server, f"routing ({config.policy}) over {len(config.engines)} engines on "
+    shape = (f"{len(config.prefill)} prefill + {len(config.decode)} decode engines" if config.disaggregated
+             else f"{len(config.engines)} engines")
+    ready_server(server, f"routing ({config.policy}) over {shape} on "
                          f"http://{args.host}:{args.port} (OpenAI API under /v1)").run()
     return 0

@@ -10,7 +10,7 @@ import logging
 import signal
 import time
 
-from kvstrata.core.config import ServerConfig
+from kvstrata.core.config import EngineConfig, ServerConfig
 from kvstrata.entrypoints.flags import add_engine_flags, add_section_flags, engine_config
 
 
@@ -43,11 +43,12 @@ def run_serve(args: argparse.Namespace) -> int:
     faults = FaultInjector.from_env()
     if faults is not None:
         logging.getLogger("kvstrata").warning("%s is set: injecting faults %s", ENV_VAR, faults.every)
-    engine_settings = engine_config(args)
+    engine_settings = disaggregated(engine_config(args), server.disaggregation_mode)
     # Loaded on the engine thread, so one OpenMP team runs every step (see AsyncLLMEngine).
     async_engine = AsyncLLMEngine(lambda: LLMEngine(engine_settings, faults=faults), kv_events=True).start()
     name = server.served_model_name or async_engine.info.model_name
-    app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins, tracing)
+    app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins, tracing,
+                     server.disaggregation_mode)
     # What loading made (~300k objects: the model, tokenizer, compiled graphs) lives until exit, and a
     # full collection walked it in ~215 ms, a stall of every running stream; frozen, it takes 0.0 ms
     # (2-core EPYC, docs/design/scheduler.md). vLLM and SGLang freeze after start-up for the same reason.
@@ -73,6 +74,21 @@ def run_serve(args: argparse.Namespace) -> int:
              "the store, %d not", final.engine.steps, stats.prompt_tokens, sum(stats.hit_tokens.values()),
              final.engine.generated_tokens, stats.offloaded_blocks["store"], final.num_unpersisted)
     return 0
+
+
+def disaggregated(config: EngineConfig, mode: str) -> EngineConfig:
+    """The engine settings a --disaggregation-mode needs: a store shared with the other role and
+    prefix caching; a prefill engine writes blocks through to the store as soon as they are full, so
+    a long prompt's writes overlap its later chunks instead of all waiting at its end."""
+    if mode == "both":
+        return config
+    if config.cache.store == "none" or not config.cache.enable_prefix_caching:
+        raise ValueError(f"--disaggregation-mode {mode} hands KV over through a store shared with the other role: "
+                         "give --store (redis://... for engines on several machines) and keep prefix caching on")
+    if mode == "prefill" and config.cache.write_policy != "write_through":
+        logging.getLogger("kvstrata").info("--disaggregation-mode prefill: --write-policy write_through")
+        return dataclasses.replace(config, cache=dataclasses.replace(config.cache, write_policy="write_through"))
+    return config
 
 
 def ready_server(config, ready_line: str):

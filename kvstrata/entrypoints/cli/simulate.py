@@ -7,6 +7,8 @@
     kvstrata simulate --validate --slice sessions --repeat 2 --trace T        engine vs simulator, three loads
     kvstrata simulate --trace T --speculative-config '{"num_speculative_tokens": 4}' --spec-acceptance 0.7
                                                     what speculation buys: the trace with and without it
+    kvstrata simulate --trace T --prefill-instances 1 --decode-instances 3 --store-cache-tokens inf \
+                      --router kv_aware                          a P:D split against P+D colocated engines
 
 Profiles come from `kvstrata calibrate` (kvstrata.entrypoints.cli.calibrate). Only the command
 modules print; the simulator itself returns figures.
@@ -83,6 +85,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                                                            "engines, inf, or 0 (none)")
     engine.add_argument("--instances", type=int, default=1, help="engines in the fleet")
     engine.add_argument("--router", default="round_robin", choices=list(ROUTERS))
+    engine.add_argument("--prefill-instances", type=int, default=None,
+                        help="prefill/decode disaggregation: prefill engines (--router over them), beside "
+                             "--decode-instances decode engines (prefix_affinity over them), handing KV over "
+                             "through the store; compared with as many colocated engines (--router)")
+    engine.add_argument("--decode-instances", type=int, default=None, help="see --prefill-instances")
     engine.add_argument("--max-num-seqs", type=int, default=None,
                         help=f"requests running at once per engine (default {SimConfig.max_num_seqs})")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -185,6 +192,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         # Capacity planning for the machine a profile came from is a fine use: say so, do not refuse.
         print(f"note: {elsewhere}; the figures below are for that machine (`kvstrata calibrate` fits one for this)")
     base = sim_config(args, cost)
+    if args.prefill_instances is not None or args.decode_instances is not None:
+        return run_disaggregated(args, trace, base, cost)
     if args.sweep is None and base.speculative is not None:
         return compare_speculation(args, trace, base, cost)
     if args.sweep is None:
@@ -227,6 +236,26 @@ def compare_speculation(args: argparse.Namespace, trace, config: SimConfig, cost
           f"ms), p99 x{gains['tpot_p99']:.2f} ({plain['tpot_s']['p99'] * 1000:.1f} -> {spec['tpot_s']['p99'] * 1000:.1f} "
           f"ms); {drafts['num_drafts']:,} steps with drafts, acceptance rate {drafts['acceptance_rate']:.2f}, "
           f"mean accepted length {drafts['mean_accepted_length']:.2f}, mean draft {drafts['mean_draft_length']:.2f}")
+    return 0
+
+
+def run_disaggregated(args: argparse.Namespace, trace, base: SimConfig, cost: CostModel) -> int:
+    """A P:D split and P+D colocated engines on the same trace: TTFT and TPOT p50/p99 side by side."""
+    from kvstrata.sim.disaggregated import DisaggregatedSimulator
+
+    if args.prefill_instances is None or args.decode_instances is None or args.sweep is not None:
+        raise ValueError("--prefill-instances and --decode-instances go together, without --sweep")
+    split, total = (args.prefill_instances, args.decode_instances), args.prefill_instances + args.decode_instances
+    disaggregated = DisaggregatedSimulator(trace, base, cost, *split).run().to_json()
+    colocated = simulate(trace, dataclasses.replace(base, instances=total), cost, f"{total} colocated").to_json()
+    report = {"disaggregated": {"prefill_instances": split[0], "decode_instances": split[1], **disaggregated},
+              "colocated": colocated, "profile": cost.source}
+    write_json(args.output_json, report)
+    print(f"{'':<16}{'TTFT p50 s':>11}{'TTFT p99 s':>11}{'TPOT p50 ms':>12}{'TPOT p99 ms':>12}{'tok/s':>9}")
+    for label, run in ((f"{split[0]}P+{split[1]}D", disaggregated), (f"{total} colocated", colocated)):
+        ttft, tpot = run["ttft_s"], run["tpot_s"]
+        print(f"{label:<16}{ttft['p50']:>11.3f}{ttft['p99']:>11.3f}{tpot['p50'] * 1000:>12.1f}"
+              f"{tpot['p99'] * 1000:>12.1f}{run['throughput_tok_s']:>9.0f}")
     return 0
 
 

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstrata import __version__
 from kvstrata.engine.async_engine import AsyncLLMEngine
@@ -35,33 +36,48 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
-               allowed_origins: Sequence[str] = (), tracing: RequestTracing | None = None) -> FastAPI:
+               allowed_origins: Sequence[str] = (), tracing: RequestTracing | None = None,
+               disaggregation_mode: str = "both") -> FastAPI:
     """The HTTP API over a started AsyncLLMEngine. `allowed_origins`: CORS (none: no CORS headers);
-    `tracing`: where each finished request's trace goes (None: no tracing; the caller shuts it down)."""
+    `tracing`: where each finished request's trace goes (None: no tracing; the caller shuts it down);
+    `disaggregation_mode`: the prefill/decode handoffs it takes (kvstrata.entrypoints.openai.handoff)."""
     assert engine.info is not None and engine.prompts is not None, "start() the engine before serving it"
     info = engine.info
     app = FastAPI(title="kvstrata", version=__version__)
     metrics = ServerMetrics(lambda: engine.snapshot, info.max_model_len, model_name)
     state = ServerState(engine, model_name, info.max_model_len, info.vocab_size, api_key, max_queue, metrics,
-                        engine.prompts, tracing=tracing)
+                        engine.prompts, tracing=tracing, disaggregation_mode=disaggregation_mode)
     app.state.kvstrata = state
     _handle_errors(app, state)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                return _refused(state, request, 401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                code="invalid_api_key")
-        return await call_next(request)
-
+    if api_key:
+        app.add_middleware(_ApiKey, state=state)
     if allowed_origins:      # outermost, so a browser's preflight is answered before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     app.include_router(router)
     app.include_router(responses_router())
     return app
+
+
+class _ApiKey:
+    """Refuses /v1/* without 'Authorization: Bearer KEY'. Plain ASGI, not `@app.middleware`: Starlette's
+    BaseHTTPMiddleware keeps a client's disconnect from the handlers' `request.is_disconnected()`, and
+    a handler must see it to abort a request still waiting for its first token."""
+
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app, self.state = app, state
+        self.expected = f"Bearer {state.api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = _refused(self.state, Request(scope), 401, "missing or wrong API key (send "
+                                    "'Authorization: Bearer KEY')", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _refused(state: ServerState, request: Request, status: int, message: str, param: str | None = None,

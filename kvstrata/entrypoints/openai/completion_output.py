@@ -16,6 +16,7 @@ from typing import Any
 
 from kvstrata.core.outputs import RequestOutput, TokenLogprob, best_samples
 from kvstrata.entrypoints.openai.errors import ERROR_TYPES, STEP_FAILED
+from kvstrata.entrypoints.openai.handoff import Transfer, decode_usage
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.entrypoints.openai.tracker import RequestTracker
 from kvstrata.structured.tool_calls import ToolCallStream, ToolPlan, message
@@ -46,6 +47,7 @@ class OutputShape:
     echo_logprobs: bool             # a completion's logprobs start with the prompt's
     prompt_logprobs: bool           # vLLM's `prompt_logprobs` field, beside the choice
     predicted: bool = False         # OpenAI predicted outputs: usage counts its accepted and rejected tokens
+    transfer: Transfer | None = None    # a decode handoff: usage says what was handed over and recomputed
 
 
 def usage(finals: Sequence[RequestOutput], jobs: Sequence[Job], shape: OutputShape) -> dict:
@@ -61,6 +63,8 @@ def usage(finals: Sequence[RequestOutput], jobs: Sequence[Job], shape: OutputSha
         body["completion_tokens_details"] = {
             "accepted_prediction_tokens": accepted,
             "rejected_prediction_tokens": sum(out.num_draft_tokens for out in finals) - accepted}
+    if shape.transfer is not None:
+        body["kv_transfer"] = decode_usage(shape.transfer, jobs[0].first, finals[0] if finals else None)
     return body
 
 

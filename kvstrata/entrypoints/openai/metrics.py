@@ -167,6 +167,20 @@ class ServerMetrics:
                                     length_buckets(max_model_len))
         self.output_len = histogram("kvstrata_request_generation_tokens", "Generated tokens per finished "
                                     "request", length_buckets(max_model_len))
+        self.handoffs = Counter("kvstrata_kv_transfer_requests", "Prefill/decode handoffs, by role and outcome "
+                                "(prefill: stored_all, stored_part, stored_none; decode: loaded, recomputed)",
+                                ["model_name", "role", "outcome"], registry=r)
+        self.handoff_tokens = Counter("kvstrata_kv_transfer_tokens", "Prompt tokens of handoffs (prefill: stored; "
+                                      "decode: handed_over, recomputed)", ["model_name", "role", "kind"], registry=r)
+        self.store_wait = histogram("kvstrata_kv_transfer_store_wait_seconds", "How long a prefill engine's "
+                                    "answer waited for its blocks' store writes", LATENCY_BUCKETS)
+
+    def handoff(self, role: str, outcome: str, tokens: dict[str, int], store_wait: float | None = None) -> None:
+        self.handoffs.labels(self.model_name, role, outcome).inc()
+        for kind, count in tokens.items():
+            self.handoff_tokens.labels(self.model_name, role, kind).inc(count)
+        if store_wait is not None:
+            self.store_wait.observe(store_wait)
 
     def observe(self, outcome: str, arrival: float, first_token: float | None, end: float, num_output: int,
                 num_prompt: int | None = None, first_scheduled: float | None = None) -> None:

@@ -63,6 +63,28 @@ class Prediction(OpenAIModel):
         return "".join(part["text"] for part in self.content)
 
 
+class KVTransferParams(OpenAIModel):
+    """The prefill/decode handoff (vLLM's field name; docs/design/disaggregation.md), which `kvstrata
+    router --pd-disaggregation` adds: to a prefill engine `{"do_remote_decode": true}`; to a decode
+    engine the prefill engine's answer's `kv_transfer_params`, as it came."""
+
+    do_remote_decode: bool = False            # prefill: compute the prompt, hand its KV over through the store
+    do_remote_prefill: bool = False           # decode: the prompt's KV is in the store
+    prompt_token_ids: list[int] | None = None     # decode: the prompt as the prefill engine tokenized it
+    block_hashes: list[str] | None = None     # decode: the full prompt blocks' hashes (hex), in order
+    num_stored_blocks: int = Field(default=0, ge=0)   # decode: how many of them, from the first, reached the store
+    first_token_id: int | None = None         # the prefill engine's first token (greedy: the decode's own first)
+    store_wait_seconds: float = 0.0           # how long the prefill engine's answer waited for its store writes
+
+    @model_validator(mode="after")
+    def _one_role(self) -> KVTransferParams:
+        if self.do_remote_decode == self.do_remote_prefill:
+            raise ValueError("kv_transfer_params needs exactly one of do_remote_decode, do_remote_prefill")
+        if self.do_remote_prefill and not self.prompt_token_ids:
+            raise ValueError("kv_transfer_params with do_remote_prefill needs the prompt_token_ids")
+        return self
+
+
 class SamplingBody(OpenAIModel):
     """Fields shared by chat and completions (OpenAI names, plus vLLM's extensions)."""
 
@@ -102,6 +124,7 @@ class SamplingBody(OpenAIModel):
     spaces_between_special_tokens: bool = True        # extension (vLLM)
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)     # extension (vLLM): keep the last N
     return_tokens_as_token_ids: bool = False          # extension (vLLM): logprob tokens as "token_id:N"
+    kv_transfer_params: KVTransferParams | None = None    # extension (vLLM): prefill/decode disaggregation
     # Defined by OpenAI, refused unless default (see UNSUPPORTED).
     suffix: str | None = None
     functions: list[Any] | None = None

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvstrata import __version__
 from kvstrata.engine.prompts import ChatPrompt
 from kvstrata.entrypoints.openai.errors import ApiError, error_response
+from kvstrata.entrypoints.openai.handoff import transfer_of
 from kvstrata.entrypoints.openai.protocol import (
     COMPLETION_MAX_TOKENS,
     ChatRequest,
@@ -41,7 +42,7 @@ async def health(request: Request):
     engine = _state(request).engine
     if engine.error is not None:
         return error_response(503, f"engine failed: {engine.error!r}")
-    return {"status": "ok"}
+    return {"status": "ok", "disaggregation_mode": _state(request).disaggregation_mode}
 
 
 @router.get("/metrics")
@@ -118,6 +119,7 @@ async def detokenize(request: Request, body: DetokenizeRequest):
 async def chat(body: ChatRequest, request: Request):
     state = _state(request)
     check_common(state, body, request.url.path)
+    transfer = transfer_of(state, body, 1)
     messages = chat_messages(body.messages)
     try:
         tools = ToolPlan.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -130,10 +132,12 @@ async def chat(body: ChatRequest, request: Request):
     prompt = ChatPrompt(tuple(messages), tuple(tools.prompt_tools) if tools else (), body.chat_template,
                         tuple((body.chat_template_kwargs or {}).items()), body.add_generation_prompt,
                         body.continue_final_message)
+    if transfer is not None:
+        prompt, max_tokens = transfer.prompt_token_ids or prompt, 1 if transfer.role == "prefill" else max_tokens
     # vLLM's chat echo: the reply is shown after the last message when that one is the assistant's own
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
     return await respond(state, request, body, Generation([prompt], [echo], max_tokens, logprobs, True, tools,
-                                                          _prediction(body)))
+                                                          _prediction(body), transfer))
 
 
 @router.post("/v1/completions")
@@ -148,8 +152,11 @@ async def completions(body: CompletionRequest, request: Request):
         raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts times n)", param="prompt")
     echoes = [(p if isinstance(p, str) else state.prompts.decode(p)) if body.echo else "" for p in prompts]
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    transfer = transfer_of(state, body, len(prompts))
+    if transfer is not None:
+        prompts, max_tokens = [transfer.prompt_token_ids or prompts[0]], 1 if transfer.role == "prefill" else max_tokens
     return await respond(state, request, body, Generation(prompts, echoes, max_tokens, body.logprobs, False,
-                                                          prediction=_prediction(body)))
+                                                          prediction=_prediction(body), transfer=transfer))
 
 
 def _prediction(body: SamplingBody) -> str | None:

@@ -12,13 +12,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from kvstrata.core.disconnects import ClientGone, unless_disconnected
 from kvstrata.core.outputs import RequestOutput
 from kvstrata.core.sampling_params import GrammarSpec, SamplingParams
 from kvstrata.engine.prompts import Prompt
 from kvstrata.entrypoints.openai.completion_output import Job, OutputShape, full_response, sse
 from kvstrata.entrypoints.openai.errors import STEP_FAILED, ApiError
+from kvstrata.entrypoints.openai.handoff import Transfer, count_decode, count_prefill, prefill_answer
 from kvstrata.entrypoints.openai.protocol import OpenAIModel, SamplingBody
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.entrypoints.openai.tracker import RequestTracker
@@ -39,6 +41,7 @@ class Generation:
     chat: bool
     tools: ToolPlan | None = None
     prediction: str | None = None       # OpenAI predicted outputs: the drafts' source
+    transfer: Transfer | None = None    # its part in a prefill/decode handoff (kvstrata.entrypoints.openai.handoff)
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -74,14 +77,25 @@ async def respond(state: ServerState, request: Request, body: SamplingBody, gene
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     arrival = time.monotonic()
     jobs = []
+    transfer = generation.transfer
+    hand_off = transfer is not None and transfer.role == "prefill"
     for index, (prompt, echo) in enumerate(zip(generation.prompts, generation.echoes)):
         engine_id = request_id if len(generation.prompts) == 1 else f"{request_id}-{index}"
         jobs.append(Job(index, echo, RequestTracker(state, arrival, engine_id, params.num_samples),
-                        state.engine.generate(prompt, params, engine_id, body.priority, generation.prediction)))
-    await _first_outputs(jobs, chat, body)
+                        state.engine.generate(prompt, params, engine_id, body.priority, generation.prediction,
+                                              hand_off)))
+    try:
+        await unless_disconnected(request.is_disconnected, _first_outputs(jobs, chat, body))
+    except ClientGone:       # left before its first token (a long prefill, a load): aborted there and then
+        for job in jobs:
+            job.tracker.done()
+        return Response(status_code=499)
+    if transfer is not None and transfer.role == "decode":
+        count_decode(state, transfer, jobs[0].first)
     shape = OutputShape(chat, params.n, generation.tools, generation.max_tokens == 0, body.return_tokens_as_token_ids,
                         echo_logprobs=body.echo and generation.logprobs is not None and not chat,
-                        prompt_logprobs=body.prompt_logprobs is not None, predicted=generation.prediction is not None)
+                        prompt_logprobs=body.prompt_logprobs is not None, predicted=generation.prediction is not None,
+                        transfer=transfer if transfer is not None and transfer.role == "decode" else None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
         return StreamingResponse(sse(state, jobs, _merged(jobs), request_id, shape, include_usage),
@@ -97,7 +111,14 @@ async def respond(state: ServerState, request: Request, body: SamplingBody, gene
         raise ApiError(500, STEP_FAILED, code="engine_step_failed")
     samples = [[[out for out in outputs[job.index] if out.index == sample] for sample in range(params.num_samples)]
                for job in jobs]
-    return full_response(state, jobs, samples, request_id, shape, jobs[0].tracker.arrival_wall)
+    response = full_response(state, jobs, samples, request_id, shape, jobs[0].tracker.arrival_wall)
+    if hand_off:
+        final = outputs[0][-1]
+        if final.kv_transfer is None:       # the request ended without its answer (an abort): nothing handed over
+            raise ApiError(500, "the prefill ended before its blocks were handed over", code="handoff_failed")
+        count_prefill(state, final)
+        response["kv_transfer_params"] = prefill_answer(state, jobs[0].first, final)
+    return response
 
 
 def _sampling(body: SamplingBody, generation: Generation) -> SamplingParams:
@@ -191,16 +212,10 @@ async def until_disconnected(request: Request, stream: AsyncIterator) -> AsyncIt
     iterator = stream.__aiter__()
     try:
         while True:
-            step = asyncio.ensure_future(anext(iterator))
-            while not step.done():
-                done, _ = await asyncio.wait({step}, timeout=0.5)
-                if not done and await request.is_disconnected():
-                    step.cancel()
-                    await asyncio.wait({step})         # let it unwind before the stream is closed
-                    return
             try:
-                yield step.result()
-            except StopAsyncIteration:
+                item = await unless_disconnected(request.is_disconnected, anext(iterator))
+            except (ClientGone, StopAsyncIteration):
                 return
+            yield item
     finally:
         await iterator.aclose()

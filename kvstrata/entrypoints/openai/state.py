@@ -31,6 +31,7 @@ class ServerState:
     prompts: PromptEncoder
     timelines: TimelineStore = field(default_factory=TimelineStore)
     tracing: RequestTracing | None = None       # OpenTelemetry traces of finished requests (default: off)
+    disaggregation_mode: str = "both"           # the handoffs it takes (kvstrata.entrypoints.openai.handoff)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def token_text(self, token_id: int) -> str:

@@ -1,0 +1,55 @@
+"""`kvstrata simulate --prefill-instances P --decode-instances D`: the handoff through the store on the
+virtual clock, with the real scheduler and tier manager on both sides."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstrata.sim.disaggregated import DisaggregatedSimulator
+from kvstrata.sim.simulator import SimConfig
+from kvstrata.sim.traces import TraceRequest, read_mooncake
+from tests.sim.test_simulator import _cli, fixed_cost, synthetic_trace
+
+
+def test_one_request_by_hand_is_prefilled_handed_over_and_decoded():
+    """1024 prompt tokens in blocks of 256: the prefill engine computes them (1.034 s) and writes the 3
+    blocks before the last token to the store; the decode engine looks them up and loads them (a
+    store call each, 0.5 s), computes the last block (0.01 + 0.256 s) and decodes."""
+    trace = [TraceRequest(0.0, 1024, 3, (1, 2))]
+    config = SimConfig(block_size=256, store_cache_tokens=None, audit=True)
+    result = DisaggregatedSimulator(trace, config, fixed_cost(), 1, 1).run()
+    (record,) = result.records
+    assert record.engine == 1 and record.cached_tokens == 768
+    assert record.ttft >= 1.034 + 0.5 + 0.5 + 0.266
+    prefill, decode = result.engines
+    assert prefill["hit_tokens"]["store"] == 0 and decode["hit_tokens"]["store"] == 768
+    assert decode["loaded_blocks"]["store"] == 3
+    assert result.to_json()["audit"]["device_used_at_end"] == 0
+
+
+@pytest.mark.parametrize("split", [(1, 1), (1, 3), (2, 2)])
+def test_a_fleet_serves_every_request_and_holds_nothing_at_the_end(tmp_path, split):
+    trace = read_mooncake(synthetic_trace(tmp_path / "t.jsonl", sessions=20), max_input_tokens=2048,
+                          max_output_tokens=16)
+    config = SimConfig(block_size=64, device_cache_tokens=16384, store_cache_tokens=None, router="kv_aware",
+                       audit=True)
+    result = DisaggregatedSimulator(trace, config, fixed_cost(), *split).run()
+    report = result.to_json()
+    assert report["requests"] == len(trace) and report["audit"]["steps_audited"] > 0
+    assert report["audit"]["device_used_at_end"] == 0 and report["audit"]["device_in_flight_at_end"] == 0
+    assert all(record.engine >= split[0] for record in result.records)         # every reply from a decode engine
+    assert sum(e["hit_tokens"]["store"] for e in result.engines[split[0]:]) > 0
+
+
+def test_the_command_compares_a_split_with_as_many_colocated_engines(tmp_path):
+    trace = synthetic_trace(tmp_path / "t.jsonl", sessions=10)
+    out = tmp_path / "pd.json"
+    stdout = _cli("simulate", "--trace", str(trace), "--block-size", "64", "--device-cache-tokens", "16384",
+                  "--store-cache-tokens", "inf", "--max-input-tokens", "2048", "--max-output-tokens", "16",
+                  "--hardware", "a100", "--prefill-instances", "1", "--decode-instances", "2", "--router", "kv_aware",
+                  "--output-json", str(out))
+    report = json.loads(out.read_text())
+    assert report["disaggregated"]["prefill_instances"] == 1 and report["colocated"]["config"]["instances"] == 3
+    assert "1P+2D" in stdout and "3 colocated" in stdout
