@@ -114,7 +114,7 @@ def replay_on_engine(trace: list[TraceRequest], config: SimConfig, threads: int 
             write_policy=config.write_policy, store_timeout=config.store_timeout,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, policy=config.policy, threads=threads,
-            speculative_config=config.speculative), loaded)
+            speculative_config=config.speculative, max_tpot_ms=0), loaded)   # the simulator has no step-time target
         try:
             fault_in_kv(engine)             # not warm_up: its prompt would take device blocks
             return _replay(engine, trace, config, clock)
