@@ -5,11 +5,12 @@ outputs beside llama.cpp's prompt-lookup decoding, on the same token ids.
     .venv/bin/python benchmarks/speculative.py --quick         # tiny sizes: checks the pipeline
 
 Single stream (one prompt at a time), greedy, exactly --output-len tokens (EOS ignored):
-    code-edit        kvstrata off / ngram for each K / the request's prediction (the original file);
-                     llama.cpp off / LlamaPromptLookupDecoding for each K (benchmarks/peers/offline_llamacpp.py)
+    code-edit        kvstrata off / each --ngram configuration / the request's prediction (the original
+                     file); llama.cpp off / LlamaPromptLookupDecoding for each K (benchmarks/peers/offline_llamacpp.py)
     quote-summary    the same, without predictions
     chat             little to quote: off against ngram (speculation must cost nothing)
-Batch: --batch prompts of code-edit at once, off against each ngram config.
+Batch: --batch prompts of code-edit at once, off against each ngram configuration (and the last with
+--disable-by-batch-size, if given).
 
 kvstrata runs in bf16 with --batch-invariant, so speculation cannot change a greedy token (the run
 checks it: every repeat's outputs must hash alike with and without it). Its configurations are loaded
@@ -73,9 +74,18 @@ class Figures:
                    total if drafts else None, [d for r in results for d in (r.output_digests or [])])
 
 
-def ngram(k: int, lookup_max: int, lookup_min: int, disable_by_batch_size: int | None) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
-            "prompt_lookup_min": lookup_min, "disable_by_batch_size": disable_by_batch_size}
+def ngram_configs(text: str, disable_by_batch_size: int | None) -> dict[str, dict]:
+    """'4:4:2,8:16:2' (K:prompt_lookup_max:prompt_lookup_min each) -> label -> --speculative-config;
+    with `disable_by_batch_size`, the last again with it."""
+    configs = {}
+    for part in text.split(","):
+        k, high, low = (int(x) for x in part.split(":"))
+        configs[f"kvstrata ngram K={k} n={low}-{high}"] = {"method": "ngram", "num_speculative_tokens": k,
+                                                           "prompt_lookup_max": high, "prompt_lookup_min": low}
+    if disable_by_batch_size is not None:
+        label, last = list(configs.items())[-1]
+        configs[f"{label} off>={disable_by_batch_size}"] = {**last, "disable_by_batch_size": disable_by_batch_size}
+    return configs
 
 
 def split(case: OfflineCase) -> list[OfflineCase]:
@@ -94,7 +104,7 @@ def measure(engines: dict[str, LLMEngine], cases: list[tuple[OfflineCase, dict[s
                 results[label].append(run_case(engines[engine], one, patience=0.0))
         for name in labels:
             figures.append(Figures.of(case.name, name, results[name]))
-            print(f"  {case.name:<16} {name:<24} {figures[-1].tok_s:7.1f} tok/s", flush=True)
+            print(f"  {case.name:<16} {name:<36} {figures[-1].tok_s:7.1f} tok/s", flush=True)
     return figures
 
 
@@ -128,13 +138,13 @@ def make_cases(engine: LLMEngine, args: argparse.Namespace) -> list[OfflineCase]
 def table(figures: list[Figures]) -> str:
     """Every figure beside its case's non-speculative one of the same engine."""
     base = {(f.case, f.config.split(" ")[0]): f for f in figures if f.config.endswith(" off")}
-    lines = [(f"{'case':<18} {'engine / config':<24} {'out tok/s':>9} {'vs off':>7} {'steps':>6} {'accepted':>8} "
+    lines = [(f"{'case':<18} {'engine / config':<36} {'out tok/s':>9} {'vs off':>7} {'steps':>6} {'accepted':>8} "
               f"{'mean acc len':>12} {'same tokens':>11}")]
     for f in figures:
         off = base.get((f.case, f.config.split(" ")[0]))
         s = f.speculation
         same = "-" if off is None or off is f else ("yes" if f.digests == off.digests else "NO")
-        lines.append(f"{f.case:<18} {f.config:<24} {f.tok_s:>9.1f} {f.tok_s / off.tok_s if off else 1:>6.2f}x "
+        lines.append(f"{f.case:<18} {f.config:<36} {f.tok_s:>9.1f} {f.tok_s / off.tok_s if off else 1:>6.2f}x "
                      f"{f.steps or '-':>6} {f'{s.acceptance_rate:.0%}' if s else '-':>8} "
                      f"{f'{s.mean_acceptance_length:.2f}' if s else '-':>12} {same:>11}")
     return "\n".join(lines)
@@ -143,11 +153,11 @@ def table(figures: list[Figures]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: check the pipeline")
-    parser.add_argument("--k", default="4,8", help="draft tokens per step to measure, comma-separated (default: 4,8)")
-    parser.add_argument("--lookup-max", type=int, default=4, help="ngram prompt_lookup_max (default: 4)")
-    parser.add_argument("--lookup-min", type=int, default=2, help="ngram prompt_lookup_min (default: 2)")
+    parser.add_argument("--ngram", default="4:4:2,8:16:2",
+                        help="ngram configurations, K:prompt_lookup_max:prompt_lookup_min each, comma-separated "
+                             "(default: 4:4:2,8:16:2); llama.cpp's lookup runs with each K")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
-                        help="ngram's disable_by_batch_size (default: none)")
+                        help="also the last ngram configuration with this disable_by_batch_size, in the batch case")
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=4, help="prompts per single-stream case (default: 4)")
     parser.add_argument("--batch", type=int, default=32, help="prompts at once in the batch case (default: 32)")
@@ -158,28 +168,30 @@ def main() -> None:
         args.output_len, args.repeats, args.batch = 24, 1, 4
     out = Path(args.output or ROOT / "benchmarks" / "results" / f"spec-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    ks = [int(k) for k in args.k.split(",")]
+    ngrams = ngram_configs(args.ngram, None)
+    batch_ngrams = ngram_configs(args.ngram, args.disable_by_batch_size)
     print(f"machine: {machine().describe()}", flush=True)
     base = {"dtype": "bfloat16", "batch_invariant": True, "threads": 2, "kv_cache_memory": 1024**3}
-    configs = {"kvstrata off": None, **{f"kvstrata ngram K={k}": ngram(k, args.lookup_max, args.lookup_min,
-                                                                      args.disable_by_batch_size) for k in ks}}
+    configs = {"kvstrata off": None, **batch_ngrams}
     engines = {name: LLMEngine(EngineConfig.from_options(**base, speculative_config=spec))
                for name, spec in configs.items()}
     for engine in engines.values():        # warm-up, untimed
         engine.generate([[1000 + i for i in range(16)]], SamplingParams(max_tokens=8, temperature=0.0))
     edit, predicted, summary, chat, batch = make_cases(engines["kvstrata off"], args)
-    each = {name: name for name in configs}
+    each = {name: name for name in ["kvstrata off", *ngrams]}
     figures = measure(engines, [(edit, each), (predicted, {"kvstrata prediction": "kvstrata off"}), (summary, each),
-                                (chat, each), (batch, each)])
+                                (chat, each), (batch, {name: name for name in configs})])
     for engine in engines.values():
         engine.close()
     del engines
+    print(table(_fold_prediction(figures)), flush=True)       # kvstrata's, whatever happens to the peer
     if args.llamacpp:
+        ks = sorted({spec["num_speculative_tokens"] for spec in ngrams.values()})
         figures += run_llamacpp(out, [edit, summary, chat], [0, *ks])
     text = table(_fold_prediction(figures))
     print(f"\nbfloat16 (--batch-invariant), greedy, {args.output_len} output tokens per prompt, "
-          f"{args.repeats} prompts one at a time per single-stream case; ngram prompt_lookup_max "
-          f"{args.lookup_max}, min {args.lookup_min}; llama.cpp Q4_1 via Llama.generate")
+          f"{args.repeats} prompts one at a time per single-stream case; ngram K drafts, n = prompt_lookup_min-max; "
+          f"llama.cpp Q4_1 via Llama.generate, LlamaPromptLookupDecoding(num_pred_tokens=K) (max_ngram_size 2)")
     print(text)
     (out / "speculative.txt").write_text(text + "\n")
     (out / "speculative.json").write_text(json.dumps({"machine": machine().as_dict(), "args": vars(args),

@@ -75,12 +75,13 @@ class CountedLookup(LlamaPromptLookupDecoding):
 
 def lookup_cases(args: argparse.Namespace, cases: list, lookups: list[int]) -> list:
     """Every case's prompts one at a time through `Llama.generate`, once per number of draft tokens."""
-    n_ctx = max(len(p) for c in cases for r in c.repeats for p in r) + max(c.output_len for c in cases) + 16
+    n_ctx = max(len(p) for c in cases for r in c.repeats for p in r) + max(c.output_len for c in cases) + 64 + max(lookups)
     results = []
     for k in lookups:
         draft = CountedLookup(k) if k else None
         llm = llama_cpp.Llama(args.model, n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                              n_batch=N_BATCH, draft_model=draft, verbose=False)
+                              n_batch=N_BATCH, draft_model=draft, verbose=False,
+                              logits_all=draft is not None)     # else its score buffer holds n_batch rows only
         _generate_alone(llm, [case.repeats[0][0][:16] for case in cases[:1]], 8)       # warm-up, untimed
         results += [_lookup_case(llm, draft, case, args.patience) for case in cases]
         del llm
