@@ -7,17 +7,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvstrata.bench.cases import CaseResult, OfflineCase, read_cases, time_case  # noqa: E402
+from kvstrata.bench.cases import CaseResult, OfflineCase, Speculation, digest, read_cases, time_case  # noqa: E402
 
-__all__ = ["CaseResult", "OfflineCase", "emit", "parse_args", "read_cases", "time_case"]
+__all__ = ["CaseResult", "OfflineCase", "Speculation", "digest", "emit", "parse_args", "read_cases", "time_case"]
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, more: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The flags every peer script takes, and `more(parser)`'s."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--prompts", required=True, help="prompts file written by benchmarks/run_all.py")
     parser.add_argument("--model", required=True, help="HF folder (transformers, vLLM) or GGUF file (llama.cpp)")
@@ -26,6 +28,8 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--json", required=True, help="where to write the figures")
     parser.add_argument("--patience", type=float, default=0.0,
                         help="seconds each repeat may wait for other jobs to leave the cores")
+    if more is not None:
+        more(parser)
     return parser.parse_args()
 
 

@@ -4,11 +4,19 @@ The high-level `Llama` class decodes one sequence at a time, so a batch goes thr
 low-level `llama_batch` API: one sequence id per prompt, prompts prefilled in one batch, then
 one token per live sequence per decode; `kv_unified=False` (independent sequences are faster,
 research/assets.md). Greedy: argmax of each sequence's logits, EOS never stops a sequence.
+
+`--prompt-lookup 0,4`: instead, each prompt alone through the high-level `Llama.generate`
+(greedy sampler), without a draft model (0) and with llama.cpp's prompt-lookup decoding
+(`LlamaPromptLookupDecoding(num_pred_tokens=K)`, its default n-gram size), the only way
+llama-cpp-python speculates; both through the same API, so the ratio is the lookup's alone.
 """
+
+import argparse
 
 import llama_cpp
 import numpy as np
-from common import emit, parse_args, read_cases, time_case
+from common import Speculation, digest, emit, parse_args, read_cases, time_case
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 N_BATCH = 512
 
@@ -49,9 +57,79 @@ def _argmax(ctx, index: int, vocab: int) -> int:
     return int(np.argmax(np.ctypeslib.as_array(logits, shape=(vocab,))))
 
 
+class CountedLookup(LlamaPromptLookupDecoding):
+    """Prompt-lookup decoding that counts its proposals: `Llama.generate` asks once per verification
+    (and once after the prompt), so accepted drafts = output tokens - 1 - calls, to within the last one."""
+
+    def __init__(self, num_pred_tokens: int):
+        super().__init__(num_pred_tokens=num_pred_tokens)
+        self.calls = self.drafts = self.draft_tokens = 0
+
+    def __call__(self, input_ids, /, **kwargs):
+        draft = super().__call__(input_ids, **kwargs)
+        self.calls += 1
+        self.drafts += len(draft) > 0
+        self.draft_tokens += len(draft)
+        return draft
+
+
+def lookup_cases(args: argparse.Namespace, cases: list, lookups: list[int]) -> list:
+    """Every case's prompts one at a time through `Llama.generate`, once per number of draft tokens."""
+    n_ctx = max(len(p) for c in cases for r in c.repeats for p in r) + max(c.output_len for c in cases) + 64 + max(lookups)
+    results = []
+    for k in lookups:
+        draft = CountedLookup(k) if k else None
+        llm = llama_cpp.Llama(args.model, n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                              n_batch=N_BATCH, draft_model=draft, verbose=False,
+                              logits_all=draft is not None)     # else its score buffer holds n_batch rows only
+        _generate_alone(llm, [case.repeats[0][0][:16] for case in cases[:1]], 8)       # warm-up, untimed
+        results += [_lookup_case(llm, draft, case, args.patience) for case in cases]
+        del llm
+    return results
+
+
+def _lookup_case(llm, draft: CountedLookup | None, case, patience: float):
+    digests, counted = [], []
+
+    def generate(prompts: list[list[int]]) -> None:
+        before = (draft.calls, draft.drafts, draft.draft_tokens) if draft else (0, 0, 0)
+        outputs = _generate_alone(llm, prompts, case.output_len)
+        digests.append(digest(outputs))
+        if draft:
+            accepted = len(prompts) * (case.output_len - 1) - (draft.calls - before[0])
+            counted.append(Speculation(draft.drafts - before[1], draft.draft_tokens - before[2], accepted))
+
+    result = time_case(case, generate, patience)
+    result.name = f"{case.name} {f'lookup K={draft.num_pred_tokens}' if draft else 'off'}"
+    result.output_digests = digests
+    result.speculation = counted[result.elapsed_s.index(min(result.elapsed_s))] if counted else None
+    return result
+
+
+def _generate_alone(llm, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    """Each prompt alone, greedy, exactly `output_len` tokens (EOS does not stop `Llama.generate`)."""
+    outputs = []
+    for prompt in prompts:
+        tokens = []
+        for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            tokens.append(int(token))
+            if len(tokens) == output_len:
+                break
+        outputs.append(tokens)
+    return outputs
+
+
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, lambda p: p.add_argument(
+        "--prompt-lookup", default=None, help="draft tokens per step, comma-separated (0: none): each prompt alone "
+                                              "through Llama.generate, with LlamaPromptLookupDecoding when > 0"))
     cases = read_cases(args.prompts)
+    if args.prompt_lookup is not None:
+        lookups = [int(k) for k in args.prompt_lookup.split(",")]
+        config = {"gguf": args.model, "threads": args.threads, "n_batch": N_BATCH, "api": "Llama.generate (high level)",
+                  "prompt_lookup": lookups, "max_ngram_size": LlamaPromptLookupDecoding().max_ngram_size}
+        emit(args.json, "llama.cpp", llama_cpp.__version__, config, lookup_cases(args, cases, lookups))
+        return
     max_seqs = max(len(r) for c in cases for r in c.repeats)
     n_ctx = max(len(p) for c in cases for r in c.repeats for p in r) + max(c.output_len for c in cases)
     llama_cpp.llama_backend_init()

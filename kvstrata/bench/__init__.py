@@ -11,6 +11,9 @@
                    CDFs and throughput; a sweep (--request-rate 0.5,1,inf): its summary and PNG of p99s by rate
     offline.py     prompts through LLMEngine, achieved weight bandwidth beside measured memory bandwidth
     cases.py       offline cases and results, stdlib only (the peers' scripts in other venvs load it too)
+    grounded.py    chat prompts whose replies quote or edit them (code edits, with or without OpenAI
+                   predictions; summaries with quotes) and a chat workload that does not: speculative decoding
+    texts.py       the source files, passages and questions grounded.py is made of
     roofline.py    weight bytes per step, measured memory read bandwidth
     quiet.py       wait for quiet cores before a measurement (stdlib only, as cases.py)
 

@@ -1,14 +1,17 @@
 """Offline cases and their results: stdlib only, so the peers' scripts in other venvs import this
 very file (`benchmarks/peers/common.py`) and every engine is timed and reported the same way.
 
-Prompts file: {"cases": [{"name": str, "output_len": int, "repeats": [[[token ids] per prompt] per repeat]}]}
-Each repeat has prompts of its own, so no repeat finds the previous one in a prefix cache. The
+Prompts file: {"cases": [{"name": str, "output_len": int, "repeats": [[[token ids] per prompt] per repeat],
+"predictions": the same shape or null}]}
+Each repeat has prompts of its own, so no repeat finds the previous one in a prefix cache. A case
+with predictions (OpenAI predicted outputs, `kvstrata.bench.grounded`) sends each prompt's with it. The
 headline figure is the fastest repeat (on a shared machine the slower ones mostly measure the
 neighbours, as in benchmarks/model_step.py); the median is kept beside it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -24,6 +27,31 @@ class OfflineCase:
     name: str
     output_len: int
     repeats: list[list[list[int]]]     # repeat -> prompt -> token ids
+    predictions: list[list[list[int]]] | None = None    # the same shape: each prompt's predicted output
+
+
+@dataclass
+class Speculation:
+    """Speculative decoding of one run, in vLLM's terms: a draft is one verification of one
+    request's draft tokens (its spec_decode_num_drafts), accepted tokens are draft tokens the model
+    agreed with."""
+
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification yields, the bonus token included (vLLM's mean acceptance length)."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    def describe(self) -> str:
+        return (f"acceptance rate {self.acceptance_rate:.0%} ({self.accepted_tokens} of {self.draft_tokens} draft "
+                f"tokens), mean acceptance length {self.mean_acceptance_length:.2f} over {self.drafts} verifications")
 
 
 @dataclass
@@ -39,6 +67,13 @@ class CaseResult:
     total_tok_s: float                  # (prompt + output tokens) / fastest repeat
     steps: int | None = None            # engine steps of the fastest repeat (kvstrata only)
     weight_gb_s: float | None = None    # weight bytes x steps / fastest repeat (kvstrata only)
+    speculation: Speculation | None = None    # drafts of the fastest repeat, where the engine counts them
+    output_digests: list[str] | None = None   # per repeat, `digest` of its outputs: equal digests, equal tokens
+
+
+def digest(outputs: list[list[int]]) -> str:
+    """A short fingerprint of a repeat's output token ids, to compare runs that must agree (greedy)."""
+    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
 
 
 def write_cases(path: Path, cases: list[OfflineCase]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from kvstrata.bench.cases import CaseResult, OfflineCase, time_case
+from kvstrata.bench.cases import CaseResult, OfflineCase, Speculation, digest, time_case
 from kvstrata.bench.quiet import wait_quiet
 from kvstrata.bench.roofline import memory_read_bandwidth, weight_bytes
 from kvstrata.bench.workloads import TOKEN_HIGH, TOKEN_LOW
@@ -32,19 +32,43 @@ def make_cases(batch_sizes: list[int], input_len: int, output_len: int, repeats:
 
 def run_case(engine: LLMEngine, case: OfflineCase, patience: float) -> CaseResult:
     params = SamplingParams(max_tokens=case.output_len, min_tokens=case.output_len, temperature=0.0, ignore_eos=True)
-    steps = []
+    predicted = {tuple(p): q for ps, qs in zip(case.repeats, case.predictions or ()) for p, q in zip(ps, qs)}
+    steps, drafts, digests = [], [], []
 
     def generate(prompts: list[list[int]]) -> None:
-        before = engine.stats.steps
-        outputs = engine.generate(prompts, params)
+        before, counted = engine.stats.steps, _speculation(engine)
+        outputs = _generate(engine, prompts, [predicted.get(tuple(p)) for p in prompts], params)
         steps.append(engine.stats.steps - before)
-        assert all(o.num_output_tokens == case.output_len for o in outputs), "an output stopped early"
+        drafts.append(_speculation(engine, since=counted))
+        assert all(len(o) == case.output_len for o in outputs), "an output stopped early"
+        digests.append(digest(outputs))
 
     result = time_case(case, generate, patience)
     fastest = result.elapsed_s.index(min(result.elapsed_s))
     result.steps = steps[fastest]
     result.weight_gb_s = weight_bytes(engine.runner.model) * result.steps / result.elapsed_s[fastest] / 1e9
+    result.speculation = drafts[fastest] if drafts[fastest].drafts else None
+    result.output_digests = digests
     return result
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], predictions: list[list[int] | None],
+              params: SamplingParams) -> list[list[int]]:
+    """Every prompt to completion (each with its prediction, if any); output token ids in prompt order."""
+    ids = [engine.add_request(p, params, prediction=q).request_id for p, q in zip(prompts, predictions)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[i] for i in ids]
+
+
+def _speculation(engine: LLMEngine, since: Speculation | None = None) -> Speculation:
+    """The engine's spec-decode counters (minus `since`'s)."""
+    stats, zero = engine.stats, since or Speculation(0, 0, 0)
+    return Speculation(stats.spec_decode_num_drafts - zero.drafts,
+                       stats.spec_decode_num_draft_tokens - zero.draft_tokens,
+                       stats.spec_decode_num_accepted_tokens - zero.accepted_tokens)
 
 
 def run_offline(engine: LLMEngine, cases: list[OfflineCase], patience: float = 0.0) -> dict:

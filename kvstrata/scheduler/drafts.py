@@ -51,13 +51,25 @@ def _continuations(corpus: np.ndarray, pattern: np.ndarray) -> np.ndarray:
 
 
 def ngram_draft(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to `k` tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+    """Up to `k` tokens that followed the most recent earlier occurrence of the longest matching suffix.
+
+    The occurrences of the latest `min_n` tokens are found once; each longer suffix keeps those of
+    them preceded by its next token, until none is or `max_n` is reached. So a long `max_n` costs a
+    few comparisons per surviving occurrence, not one scan of the context per length."""
     context = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
-        starts = _continuations(context, context[-n:])            # the suffix itself has nothing after it
-        if len(starts):
-            return context[starts[-1]:starts[-1] + k].tolist()
-    return []
+    if len(context) <= min_n:
+        return []
+    starts = _continuations(context, context[-min_n:])           # the suffix itself has nothing after it
+    n = min_n
+    while len(starts) and n < min(max_n, len(context) - 1):
+        before = starts - n - 1                                   # the token before each occurrence
+        longer = starts[(before >= 0) & (context[np.maximum(before, 0)] == context[-n - 1])]
+        if not len(longer):
+            break
+        starts, n = longer, n + 1
+    if not len(starts):
+        return []
+    return context[starts[-1]:starts[-1] + k].tolist()
 
 
 def prediction_draft(prediction: Sequence[int], output: Sequence[int], k: int) -> list[int]:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvstrata.bench.grounded import GROUNDED
 from kvstrata.bench.workloads import WORKLOADS, Workload, WorkloadOptions, build_workload
 
 if TYPE_CHECKING:
@@ -228,8 +229,12 @@ def _add_offline(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("offline", help="prompts through the Python API: throughput and weight bandwidth")
     p.add_argument("--prompts", default=None, help="prompts file (see kvstrata/bench/cases.py); "
                                                    "default: draw --num-prompts x --input-len")
+    p.add_argument("--workload", default="random", choices=("random", *GROUNDED),
+                   help="random token ids (--input-len each), or chat prompts whose replies quote or edit them "
+                        "(code-edit, code-edit-predicted: with OpenAI predictions, quote-summary) or do not (chat), "
+                        "for speculative decoding (kvstrata/bench/grounded.py) (default: random)")
     p.add_argument("--num-prompts", default="1,32", help="batch sizes, comma-separated (default: 1,32)")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens of --workload random (default: 128)")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (default: 128)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per case, new prompts each (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (and arrivals) (default: 0)")
@@ -246,16 +251,17 @@ def _add_offline(kinds: argparse._SubParsersAction) -> None:
 def run_offline(args: argparse.Namespace) -> int:
     from kvstrata.bench import report
     from kvstrata.bench.cases import read_cases
+    from kvstrata.bench.grounded import grounded_case
     from kvstrata.bench.offline import make_cases
     from kvstrata.bench.offline import run_offline as run
     from kvstrata.core.machine import machine
     from kvstrata.engine.llm_engine import LLMEngine
     from kvstrata.entrypoints.flags import engine_config
 
+    sizes = [int(n) for n in args.num_prompts.split(",")]
     if args.prompts:
         cases = read_cases(args.prompts)
-    else:
-        sizes = [int(n) for n in args.num_prompts.split(",")]
+    elif args.workload == "random":
         cases = make_cases(sizes, args.input_len, args.output_len, args.repeats, args.seed)
     print(f"machine: {machine().describe()}", flush=True)
     configs = [engine_config(args)]
@@ -267,6 +273,9 @@ def run_offline(args: argparse.Namespace) -> int:
         engine = LLMEngine(config)
         if engine.loaded.int8 is not None:
             print(engine.loaded.int8.summary(), flush=True)
+        if not args.prompts and args.workload != "random" and not results:     # the model's chat template
+            cases = [grounded_case(args.workload, n, args.repeats, args.output_len, engine.chat_prompt,
+                                   engine.prompts.encode) for n in sizes]
         results.append(run(engine, cases, args.patience))
         engine.close()
         del engine
@@ -288,15 +297,21 @@ def _weights_name(figures: dict) -> str:
 
 
 def _print_offline(figures: dict) -> None:
+    from kvstrata.bench.cases import Speculation
+
     bandwidth = figures["memory_read_gb_s"]
     print(f"kvstrata {_weights_name(figures)}: {figures['weight_bytes'] / 1e6:.0f} MB of weights read per step; "
           f"measured memory read bandwidth {bandwidth:.1f} GB/s")
     print("(figures of the fastest repeat; median output tok/s beside it)")
-    print(f"{'case':<10} {'prompts':>7} {'in/out':>9} {'elapsed s':>18} {'out tok/s':>9} {'(median)':>8} "
+    width = max(10, *(len(c["name"]) for c in figures["cases"]))
+    print(f"{'case':<{width}} {'prompts':>7} {'in/out':>9} {'elapsed s':>18} {'out tok/s':>9} {'(median)':>8} "
           f"{'total tok/s':>11} {'steps':>6} {'ms/step':>7} {'weights GB/s':>12} {'of peak':>7}")
     for c in figures["cases"]:
         runs = ",".join(f"{e:.2f}" for e in c["elapsed_s"])
-        print(f"{c['name']:<10} {c['num_prompts']:>7} {c['input_len']:>4.0f}/{c['output_len']:<4} {runs:>18} "
+        print(f"{c['name']:<{width}} {c['num_prompts']:>7} {c['input_len']:>4.0f}/{c['output_len']:<4} {runs:>18} "
               f"{c['output_tok_s']:>9.1f} {c['median_output_tok_s']:>8.1f} {c['total_tok_s']:>11.1f} {c['steps']:>6} "
               f"{1000 * min(c['elapsed_s']) / c['steps']:>7.1f} {c['weight_gb_s']:>12.2f} "
               f"{c['weight_gb_s'] / bandwidth:>7.0%}")
+    for c in figures["cases"]:
+        if c["speculation"]:
+            print(f"{c['name']}: speculative decoding, {Speculation(**c['speculation']).describe()}")
