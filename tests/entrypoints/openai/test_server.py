@@ -82,7 +82,7 @@ def test_stop_and_seed(client):
 def test_models_health_metrics(server):
     base, _ = server
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == MODEL
-    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{base}/health").json() == {"status": "ok", "disaggregation_mode": "both"}
     assert "kvstrata_kv_blocks" in httpx.get(f"{base}/metrics").text
 
 
