@@ -38,7 +38,8 @@ def fake_engine(behaviour: str):
     """An engine's HTTP surface without a model, for failures a real one will not produce on cue.
 
     behaviour: "refuse" answers every generation with 503; "break" starts a stream, then drops the
-    connection; "ok" streams one chunk and [DONE]. Its KV events always say it holds nothing.
+    connection and stays dead (its /health answers 503 after that, or the router's watcher would rightly
+    bring it back in); "ok" streams one chunk and [DONE]. Its KV events always say it holds nothing.
     """
     import asyncio
 
@@ -46,10 +47,11 @@ def fake_engine(behaviour: str):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
+    died = []
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return JSONResponse({"status": "dead"}, status_code=503) if died else {"status": "ok"}
 
     @app.get("/v1/kv_events")
     async def kv_events(timeout: float = 0.0):
@@ -65,6 +67,7 @@ def fake_engine(behaviour: str):
         async def chunks():
             yield b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'
             if behaviour == "break":
+                died.append(True)
                 raise RuntimeError("the engine died mid-stream")
             yield b"data: [DONE]\n\n"
         return StreamingResponse(chunks(), media_type="text/event-stream")
