@@ -44,6 +44,7 @@ from kvstrata.core.config import EngineConfig
 from kvstrata.core.machine import machine
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.step_cost import MIN_STEPS
 from kvstrata.model.loader import default_model_path
 
 LLAMACPP = ROOT / "benchmarks" / "peers" / "venvs" / "llamacpp" / "bin" / "python"
@@ -175,8 +176,9 @@ def main() -> None:
     configs = {"kvstrata off": None, **batch_ngrams}
     engines = {name: LLMEngine(EngineConfig.from_options(**base, speculative_config=spec))
                for name, spec in configs.items()}
-    for engine in engines.values():        # warm-up, untimed
-        engine.generate([[1000 + i for i in range(16)]], SamplingParams(max_tokens=8, temperature=0.0))
+    for engine in engines.values():        # warm-up, untimed: a served engine has measured its steps (the
+        engine.generate([[1000 + i for i in range(16)]] * 4,     # fit drafts pay by needs MIN_STEPS of them)
+                        SamplingParams(max_tokens=2 * MIN_STEPS, temperature=0.0, ignore_eos=True))
     edit, predicted, summary, chat, batch = make_cases(engines["kvstrata off"], args)
     each = {name: name for name in ["kvstrata off", *ngrams]}
     figures = measure(engines, [(edit, each), (predicted, {"kvstrata prediction": "kvstrata off"}), (summary, each),

@@ -41,6 +41,18 @@ class RequestStatus(enum.IntEnum):
                 RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
+@dataclass
+class DraftHistory:
+    """A speculating request's recent drafts (decayed sums), by which the scheduler judges whether they
+    pay (kvstrata.scheduler.drafts), and the pause it is in when they did not."""
+
+    verifications: int = 0         # of its drafts since it last paused
+    drafted: float = 0.0           # draft tokens verified lately
+    accepted: float = 0.0          # of them, accepted
+    paused_until: int = 0          # no drafts before the request has this many output tokens
+    next_pause: int = 0            # output tokens the next pause lasts (0: the first pause's)
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request. Mutated only by the scheduler (and the engine for stop strings)."""
@@ -68,6 +80,7 @@ class Request:
     prediction_token_ids: tuple[int, ...] = ()
     num_draft_tokens: int = 0      # draft tokens verified so far
     num_accepted_tokens: int = 0   # of them, accepted
+    draft_history: DraftHistory = field(default_factory=DraftHistory)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

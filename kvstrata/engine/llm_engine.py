@@ -234,7 +234,8 @@ class LLMEngine:
         began = time.monotonic()            # the clock of arrivals and timelines
         output = None
         try:
-            output = self.scheduler.schedule(self._prefill_limit if self.config.scheduler.max_tpot_ms else None)
+            output = self.scheduler.schedule(self._prefill_limit if self.config.scheduler.max_tpot_ms else None,
+                                             self.step_cost.draft_break_even)
             self.stats.schedule_seconds += time.perf_counter() - started
             if output.is_empty:
                 self.tiers.wait_for_transfers(timeout=0.005)    # only transfers are running: do not spin

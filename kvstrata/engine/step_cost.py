@@ -23,21 +23,52 @@ QUEUE_RATIO = 4
 FORGETTING = 0.98         # weight of the past per step: the fit follows the host within ~50 steps
 
 
-class StepCostModel:
-    def __init__(self, forgetting: float = FORGETTING):
-        self.forgetting = forgetting
-        self.theta = np.zeros(3)                     # (base s, s per prefill token, s per decode)
-        self.inverse = np.eye(3) * 1e4               # the inverse information matrix of RLS
-        self.prefill_steps = 0                       # observations that had prefill: the slope needs them
-        self.steps = 0
+class RecursiveFit:
+    """Least squares of `seconds ~ theta . x`, updated step by step, forgetting old steps."""
 
-    def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
-        x = np.array([1.0, prefill_tokens, decodes])
+    def __init__(self, features: int, forgetting: float):
+        self.forgetting = forgetting
+        self.theta = np.zeros(features)
+        self.inverse = np.eye(features) * 1e4        # the inverse information matrix of RLS
+
+    def observe(self, x: np.ndarray, seconds: float) -> None:
         gain = self.inverse @ x / (self.forgetting + x @ self.inverse @ x)
         self.theta = self.theta + gain * (seconds - x @ self.theta)
         self.inverse = (self.inverse - np.outer(gain, x @ self.inverse)) / self.forgetting
+
+
+class StepCostModel:
+    def __init__(self, forgetting: float = FORGETTING):
+        self.split = RecursiveFit(3, forgetting)     # (base s, s per prefill token, s per decode)
+        self.rows = RecursiveFit(2, forgetting)      # (base s, s per row, whatever the row)
+        self.prefill_steps = 0                       # observations that had prefill: the slope needs them
+        self.steps = 0
+
+    @property
+    def theta(self) -> np.ndarray:
+        return self.split.theta
+
+    def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        self.split.observe(np.array([1.0, prefill_tokens, decodes]), seconds)
+        self.rows.observe(np.array([1.0, prefill_tokens + decodes]), seconds)
         self.steps += 1
         self.prefill_steps += prefill_tokens > 0
+
+    def draft_break_even(self, decodes: int) -> float | None:
+        """The acceptance a draft token needs to pay for itself in a step of `decodes` decodes: the time
+        its row adds, per decoding request, over a decode-only step's time (an accepted draft saves its
+        request one step; its row delays all of them). None while the fit is young.
+
+        From a fit of a step's time by its rows alone: a draft's row costs what a decode's does (the
+        same projections and logits; at batch 32 the logits of a 49k vocabulary weigh as much as the
+        layers), and a single stream's steps, all with one decode, could not tell a decode's cost from
+        the base in the split fit. A prefill row attends more keys than a draft's, which errs on the
+        side of not drafting."""
+        base, per_row = self.rows.theta
+        if self.steps < MIN_STEPS or self.prefill_steps < MIN_STEPS // 2 or per_row <= 0:
+            return None
+        step = base + per_row * max(decodes, 1)
+        return per_row * max(decodes, 1) / step if step > 0 else None
 
     def prefill_limit(self, target_s: float, decodes: int, floor: int, ceiling: int, waiting: int = 0) -> int:
         """Most prefill tokens a step with `decodes` decodes can take within `target_s`, or within STRETCH

@@ -9,9 +9,12 @@ and output; the tokens that followed their most recent occurrence are the draft.
 
 prediction (OpenAI predicted outputs): the client sent the text it expects. While the output copies
 it, the draft is the prediction's next tokens; after an edit, the tokens after the occurrence of the
-output's latest n tokens nearest to where a verbatim copy would stand.
+output's latest n tokens nearest to where a verbatim copy would stand; where the prediction has no
+such occurrence, by n-gram lookup in the request's prompt and output (an edit's new names recur there).
 
-Pure functions of token lists: a proposal changes nothing, and a wrong one only costs its verification.
+Proposals are pure functions of token lists: a proposal changes nothing, and a wrong one only costs
+its verification. `judge` keeps each request's recent acceptance, and pauses its drafts while they do
+not pay for their rows.
 """
 
 from __future__ import annotations
@@ -27,18 +30,46 @@ from kvstrata.core.request import Request
 
 PREDICTION_NGRAM = (2, 8)     # n-gram lengths that re-align the output with a prediction after an edit
 PREDICTION_LOOKAHEAD = 8      # drafts per step from a prediction without --speculative-config: most are accepted
-# An n-gram request whose drafts are accepted less often than this stops speculating: one stream
-# rewriting a code prompt (K = 4, 2-core Zen 5 EPYC) ran 1.03x plain decoding at 26% accepted in fp32
-# and 1.40x at 30% in bf16, so below a quarter the K extra rows no longer pay for themselves.
-MIN_ACCEPTANCE = 0.25
-JUDGED_AFTER = 32             # draft tokens verified before a request's acceptance is judged
+# Whether drafts pay. A draft token adds a row to the step every running request waits for, and saves its
+# request a step when accepted: it pays when its chance of acceptance beats `break_even`, the share of a
+# decode step's time per decoding request one more row costs (kvstrata.engine.step_cost; a single stream,
+# bf16, 2-core Zen 5 EPYC: 0.8 ms a row against an 18 ms step). Until the engine has measured its steps,
+# DEFAULT_BREAK_EVEN: one fp32 stream rewriting code (K = 4) ran 1.03x plain decoding at 26% accepted.
+DEFAULT_BREAK_EVEN = 0.25
+# No drafts at all in a step whose break-even is above this (a large batch: a 2-core Zen 5 EPYC's bf16
+# step of 32 decodes breaks even at ~0.75): few requests' drafts are accepted that often, and the probes
+# of requests pausing after failed judgements would cost every request more than they find.
+MAX_BREAK_EVEN = 0.5
+RECENT = 0.75                 # weight of a request's earlier drafts at each verification: judged on its last few
+JUDGED_AFTER = 3              # verifications before a request's drafts are judged (and again after a pause)
+FIRST_PAUSE = 32              # output tokens a request that failed the judgement goes without drafts; each
+                              # failure after doubles it: its text may turn to copying later (a code edit
+                              # quotes, then paraphrases, then quotes again), but a probe costs every request
 
 
-def still_pays(request: Request) -> bool:
-    """Whether a request's drafts so far earn their verification. A prediction always does: the
-    client sent it, and its drafts re-align after an edit."""
-    return bool(request.prediction_token_ids) or request.num_draft_tokens < JUDGED_AFTER \
-        or request.num_accepted_tokens >= MIN_ACCEPTANCE * request.num_draft_tokens
+def may_draft(request: Request) -> bool:
+    """Whether the request proposes drafts this step (not while paused after drafts that did not pay)."""
+    return request.num_output_tokens >= request.draft_history.paused_until
+
+
+def judge(request: Request, drafted: int, accepted: int, break_even: float) -> None:
+    """Record one verification; pause a request whose recent drafts were accepted less than
+    `break_even` of the time. A prediction is never paused: the client sent it, and its drafts
+    re-align after an edit."""
+    history = request.draft_history
+    history.verifications += 1
+    history.drafted = history.drafted * RECENT + drafted
+    history.accepted = history.accepted * RECENT + accepted
+    if request.prediction_token_ids or history.verifications < JUDGED_AFTER:
+        return
+    if history.accepted >= break_even * history.drafted:
+        history.next_pause = 0
+        return
+    pause = history.next_pause or FIRST_PAUSE
+    history.paused_until = request.num_output_tokens + pause
+    history.next_pause = 2 * pause
+    history.drafted = history.accepted = 0.0
+    history.verifications = 0
 
 
 def _continuations(corpus: np.ndarray, pattern: np.ndarray) -> np.ndarray:
@@ -100,7 +131,10 @@ class DraftProposer:
         return cls(config.prompt_lookup_min, config.prompt_lookup_max)
 
     def propose(self, request: Request, k: int) -> list[int]:
-        """At most `k` draft tokens to follow the request's tokens (possibly none)."""
+        """At most `k` draft tokens to follow the request's tokens (possibly none). A request with a
+        prediction drafts from it, and where its output has left the prediction behind, by n-gram
+        lookup in its own prompt and output (an edit's new names recur there, not in the prediction)."""
         if request.prediction_token_ids:
-            return prediction_draft(request.prediction_token_ids, request.output_token_ids, k)
+            return prediction_draft(request.prediction_token_ids, request.output_token_ids, k) \
+                or ngram_draft(request.token_ids, k, *PREDICTION_NGRAM)
         return ngram_draft(request.token_ids, k, self.prompt_lookup_min, self.prompt_lookup_max)

@@ -13,14 +13,15 @@ One token budget per step, no separate prefill and decode phases:
 Preempted requests keep their full blocks CACHED, so resuming usually re-hits them, and they
 resume before any new request. A request that could never fit is refused at `add_request`.
 
-Speculative decoding: once every running request has its tokens (and if nobody was preempted),
-each decode of a request with `num_lookahead_tokens` gets up to that many draft tokens
-(`DraftProposer`) after its last token, within the step budget and its own limits, so its chunk is
-1 + K tokens; admission comes after. The draft slots come from the same all-or-nothing `grow()`;
+Speculative decoding: once every running request has its tokens and waiting ones are admitted (and
+if nobody was preempted), each decode of a request with `num_lookahead_tokens` gets up to that many
+draft tokens (`DraftProposer`) after its last token, within the budget left and its own limits, so
+its chunk is 1 + K tokens: a draft never delays a first token. The draft slots come from the same all-or-nothing `grow()`;
 when that fails the request decodes without drafts (a draft never preempts, nor takes a block
 another running request's token needs). `update` takes the accepted drafts
 and the token sampled after them into the ledger one by one, stopping where a stop condition does,
-then gives back the rejected drafts' slots (`settle_drafts`).
+then gives back the rejected drafts' slots (`settle_drafts`), and judges the request's recent drafts
+against the step's break-even (`drafts.judge`: one that does not pay pauses its drafts).
 
     ledger:   [ ... t ]             chunk:  [ t d1 d2 d3 ]   K = 3 drafts, 4 rows of logits
     verified: d1 accepted, d2 rejected: the ledger gets d1 and the token sampled in d2's place;
@@ -46,7 +47,7 @@ from kvstrata.core.config import SchedulerConfig, SpeculativeConfig
 from kvstrata.core.errors import RequestRejected
 from kvstrata.core.request import Request, RequestStatus
 from kvstrata.kvcache.tiers import TierManager
-from kvstrata.scheduler.drafts import DraftProposer, still_pays
+from kvstrata.scheduler.drafts import DEFAULT_BREAK_EVEN, MAX_BREAK_EVEN, DraftProposer, judge, may_draft
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.proposer = proposer or DraftProposer.from_config(speculative)
         self.disable_by_batch_size = speculative.disable_by_batch_size if speculative is not None else None
+        self.break_even = DEFAULT_BREAK_EVEN     # this step's (see schedule): update judges its drafts by it
         self.requests: dict[str, Request] = {}      # every request not yet finished
         self.running: list[Request] = []
         self.loading: list[Request] = []            # admitted, waiting for store loads to land
@@ -174,12 +176,15 @@ class Scheduler:
                 if self._waiting_key.get(request.request_id) == key]
 
     # ---- one step -------------------------------------------------------------------------------
-    def schedule(self, prefill_limit: Callable[[int, int], int] | None = None) -> SchedulerOutput:
+    def schedule(self, prefill_limit: Callable[[int, int], int] | None = None,
+                 break_even: Callable[[int], float | None] | None = None) -> SchedulerOutput:
         """The next step's chunks. If this raises, `in_step` names the requests it was working on.
 
         `prefill_limit(decodes, waiting)`: most prefill tokens a step with that many decodes may take
         while `waiting` requests wait for their first token and could start in it (the engine's answer
         to a step-time target); prefill chunks then share it, decodes never wait for it.
+        `break_even(decodes)`: the acceptance a draft token needs to pay for its row in a step with that
+        many decodes (kvstrata.scheduler.drafts; None, or no callable: DEFAULT_BREAK_EVEN).
         """
         self.in_step = []
         for request in self.tiers.poll_loads():
@@ -219,22 +224,28 @@ class Scheduler:
             budget -= num_new
             prefill_left -= num_new if pending > 1 else 0
             index += 1
+        measured = break_even(decodes) if break_even is not None else None
+        self.break_even = DEFAULT_BREAK_EVEN if measured is None else measured
         if not preempted:
+            running = len(chunks)                  # the running requests' chunks; admitted ones follow
+            allowed = min(budget, prefill_left)
+            budget -= allowed - self._admit(allowed, chunks)
             if self.disable_by_batch_size is None or len(self.running) < self.disable_by_batch_size:
-                budget = self._add_drafts(chunks, budget)
-            self._admit(min(budget, prefill_left), chunks)
+                self._add_drafts(chunks[:running], budget, chunks)
         self.tiers.on_step(nonempty=bool(chunks))
         return SchedulerOutput(chunks, preempted)
 
-    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> int:
-        """Give the decodes of requests that speculate draft tokens to verify, best ranked first, while
-        the budget lasts; the budget left. Each takes its draft slots in one all-or-nothing grow or
-        goes without: drafts come after every running request's own token, and never preempt."""
-        for index, chunk in enumerate(chunks):
+    def _add_drafts(self, running: list[ScheduledChunk], budget: int, chunks: list[ScheduledChunk]) -> None:
+        """Give the decodes among the `running` chunks (the head of `chunks`) of requests that speculate
+        draft tokens to verify, best ranked first, while the budget lasts. Each takes its draft slots in
+        one all-or-nothing grow or goes without: drafts come after every running request's own token
+        and every prompt admitted (a draft delays no first token), and never preempt."""
+        for index, chunk in enumerate(running):
             request = chunk.request
             if budget <= 0:
                 break
-            if not request.num_lookahead_tokens or chunk.num_tokens != 1 or not chunk.sample or chunk.forks:
+            if not request.num_lookahead_tokens or chunk.num_tokens != 1 or not chunk.sample or chunk.forks \
+                    or not may_draft(request) or self._break_even_of(request) > MAX_BREAK_EVEN:
                 continue
             room = min(request.num_lookahead_tokens, budget,          # and never more than it may still
                        request.sampling.max_tokens - request.num_output_tokens - 1,   # sample after the
@@ -243,7 +254,11 @@ class Scheduler:
             if drafts and self.tiers.grow(request, 1, len(drafts)):
                 chunks[index] = self._chunk(request, 1, drafts)
                 budget -= len(drafts)
-        return budget
+
+    def _break_even_of(self, request: Request) -> float:
+        """The step's break-even, or the fixed default for a seeded request: its drafts decide how its
+        random draws are spent, so they must not follow the host's timing for its tokens to repeat."""
+        return DEFAULT_BREAK_EVEN if request.sampling.seed is not None else self.break_even
 
     def _victims(self, index: int) -> list[Request]:
         """The worst running request, with the samples of its family not yet scheduled in this step
@@ -336,8 +351,8 @@ class Scheduler:
                 assert num_accepted <= num_drafts, f"{request.request_id}: more drafts accepted than proposed"
                 request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_accepted
-                if num_drafts and not still_pays(request):
-                    request.num_lookahead_tokens = 0      # its drafts cost more than they save: plain from now on
+                if num_drafts:
+                    judge(request, num_drafts, num_accepted, self._break_even_of(request))
                 self._append(request, chunk.draft_token_ids[:num_accepted], sampled[request.request_id])
             if num_drafts:
                 self.tiers.settle_drafts(request)

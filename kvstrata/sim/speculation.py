@@ -18,8 +18,8 @@ engine's shorter drafts cost.
 
 Everything else is the engine's own code: `SimulatedDrafts` stands in for the scheduler's
 `DraftProposer`, so draft slots go through the real `grow(request, 1, K)` and `settle_drafts`,
-the real budget, room and `disable_by_batch_size` checks, and the real `still_pays` that stops a
-request whose drafts are accepted too rarely. A speculative step's chunk of 1 + K tokens costs
+the real budget, room and `disable_by_batch_size` checks, and the real `judge` that pauses a
+request whose drafts are accepted too rarely (by DEFAULT_BREAK_EVEN: no step is timed here). A speculative step's chunk of 1 + K tokens costs
 what the cost model charges for it (`BatchShape.of` counts it as a chunk continuing its sequence,
 its draft rows as prefill rows, as the runner computes it).
 """

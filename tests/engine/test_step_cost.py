@@ -57,3 +57,13 @@ def test_a_young_fit_does_not_cut():
     for _ in range(4 * MIN_STEPS):
         decode_only.observe(0, 4, 0.03)                       # no prefill yet: the slope is unknown
     assert decode_only.prefill_limit(0.01, 4, 64, 2048) == 2048
+
+
+def test_a_draft_pays_above_its_rows_share_of_a_decode_step_per_decoding_request():
+    model = trained(per_token=0.001, per_decode=0.001)              # a row costs what a row costs
+    assert abs(model.draft_break_even(1) - 0.001 / (0.02 + 0.001)) < 0.01           # one stream: ~5%
+    assert abs(model.draft_break_even(32) - 0.032 / (0.02 + 0.032)) < 0.03          # a batch: ~62%
+    assert model.draft_break_even(64) > model.draft_break_even(32) > model.draft_break_even(1)
+    young = StepCostModel()
+    young.observe(100, 1, 0.1)
+    assert young.draft_break_even(1) is None                     # until the fit is trusted: the default

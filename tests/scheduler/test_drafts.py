@@ -3,7 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.scheduler.drafts import ngram_draft, prediction_draft
+from kvstrata.scheduler.drafts import DraftProposer, ngram_draft, prediction_draft
+from tests.kvcache.fakes import make_request
 
 
 def reference_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -40,3 +41,18 @@ def test_prediction_drafts_follow_the_copy_and_realign_after_an_edit():
     assert prediction_draft(prediction, prediction[:5], 4) == [105, 106, 107, 108]
     edited = prediction[:10] + [7, 7] + prediction[10:14]       # two tokens inserted, then copying again
     assert prediction_draft(prediction, edited, 3) == [114, 115, 116]
+
+
+def test_a_prediction_left_behind_drafts_from_the_requests_own_tokens():
+    """After an edit the prediction has no occurrence of (a rename's new name recurs in the output,
+    not in the prediction): the draft comes from n-gram lookup in the prompt and output instead."""
+    prediction = list(range(100, 140))
+    renamed = [prediction[0], 7, 8, 9, prediction[2], prediction[3], 50, 7, 8]    # `7 8 9` replaced `101`
+    request = make_request("r", [1, 2, 3], max_tokens=64)
+    request.prediction_token_ids = tuple(prediction)
+    for token in renamed:
+        request.append_output(token)
+    assert prediction_draft(prediction, renamed, 4) == []
+    assert DraftProposer().propose(request, 4) == [9, prediction[2], prediction[3], 50]
+    request.append_output(9)
+    assert DraftProposer().propose(request, 2) == [prediction[2], prediction[3]]   # what followed `7 8 9` before

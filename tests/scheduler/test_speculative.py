@@ -6,6 +6,7 @@ drafts never preempt and never reach a cache tier; an abort or a preemption in t
 speculative step leaves the pools as if the step never ran.
 """
 
+import functools
 import math
 import random
 
@@ -14,7 +15,8 @@ import pytest
 from kvstrata.core.request import RequestStatus
 from kvstrata.kvcache.admission import DecodeReservation
 from kvstrata.kvcache.block_pool import BlockState
-from kvstrata.scheduler.drafts import JUDGED_AFTER, DraftProposer
+from kvstrata.scheduler import drafts
+from kvstrata.scheduler.drafts import FIRST_PAUSE, JUDGED_AFTER, MAX_BREAK_EVEN, DraftProposer
 from tests.kvcache.fakes import (
     HASHER,
     FakeRunner,
@@ -66,19 +68,25 @@ def test_greedy_outputs_with_drafts_equal_outputs_without(lookahead, sampling):
     assert run(ngram, lookahead, **sampling)[0] == reference
 
 
-def test_drafts_count_against_the_step_budget_and_max_tokens():
+def test_drafts_take_the_budget_waiting_prompts_leave_and_never_pass_max_tokens():
     scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=5)
     scheduler.proposer = OracleProposer(lambda request, k: None)
     runner = FakeRunner(64, 4)
-    a, b = speculating(8, max_tokens=7)[:2]
+    a, b = speculating(8, max_tokens=9)[:2]
     scheduler.add_request(a)
     step(scheduler, runner)                                   # a's prompt (5 tokens): the whole budget
     scheduler.add_request(b)
-    output = step(scheduler, runner)
-    assert output.chunks[0].draft_token_ids and output.num_tokens == 5   # 1 + 4 drafts, nothing left for b
-    output = step(scheduler, runner)
-    assert len(output.chunks[0].draft_token_ids) == 0         # 6 outputs of 7: the last is sampled, not drafted
-    assert a.num_output_tokens == 7 and a.is_finished
+    output = step(scheduler, runner)                          # b's prompt (9 tokens) before a's drafts
+    assert [(c.request, c.num_tokens, c.draft_token_ids) for c in output.chunks] == [(a, 1, ()), (b, 4, ())]
+    drafted = []
+    while not a.is_finished:
+        before = a.num_output_tokens
+        output = step(scheduler, runner)
+        chunk = next(c for c in output.chunks if c.request is a)
+        assert len(chunk.draft_token_ids) <= a.sampling.max_tokens - before - 1   # the last token is sampled
+        drafted.append(len(chunk.draft_token_ids))
+    # b's last prompt token (its first four were a's cached block) and a's token leave 3; then 2 of 9
+    assert drafted == [3, 2] and a.num_output_tokens == 9
 
 
 @pytest.mark.parametrize("accepted", range(5))
@@ -189,20 +197,48 @@ def test_an_abort_or_preemption_mid_speculation_leaves_the_pools_as_if_the_step_
     at_rest(speculated)
 
 
-def test_a_request_whose_drafts_are_mostly_rejected_stops_speculating():
-    """n-gram drafts accepted less than MIN_ACCEPTANCE of the time stop once JUDGED_AFTER are verified;
-    drafts that are accepted go on; a prediction always goes on; outputs stay those of plain decoding."""
-    reference, _, _ = run(make_scheduler(num_blocks=64), 0, max_tokens=40)
+def test_drafts_that_do_not_pay_pause_and_probe_again_later():
+    """n-gram drafts accepted less often than the break-even pause once JUDGED_AFTER verifications are
+    in, for FIRST_PAUSE output tokens, then again for twice that; drafts that are accepted go on; a
+    prediction always goes on; outputs stay those of plain decoding."""
+    reference, _, _ = run(make_scheduler(num_blocks=64), 0, max_tokens=48)
     scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=24)
     scheduler.proposer = OracleProposer(lambda request, k: 0 if request.request_id != "r1" else None)
-    made = speculating(4, max_tokens=40)
+    made = speculating(4, max_tokens=48)
     made[2].prediction_token_ids = (1, 2, 3)          # wrong drafts too, but the client asked
+    verified: dict[str, list[int]] = {r.request_id: [] for r in made}   # output tokens at each verification
+    judged = drafts.judge
+
+    def record(request, drafted, accepted, break_even):
+        verified[request.request_id].append(request.num_output_tokens)
+        judged(request, drafted, accepted, break_even)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("kvstrata.scheduler.scheduler.judge", record)
+        outputs = drive(scheduler, FakeRunner(64, 4), requests=made)
+    at_rest(scheduler)
+    assert outputs == reference
+    for request in (made[0], made[3]):           # drafts from its second token on, one token per rejection
+        again = JUDGED_AFTER + FIRST_PAUSE           # paused at its last judged verification
+        assert verified[request.request_id] == [*range(1, 1 + JUDGED_AFTER), *range(again, again + JUDGED_AFTER)]
+        assert request.draft_history.paused_until == again + JUDGED_AFTER - 1 + 2 * FIRST_PAUSE
+        assert request.num_accepted_tokens == 0
+    assert made[1].draft_history.paused_until == 0 and made[1].num_accepted_tokens == made[1].num_draft_tokens > 0
+    assert made[2].draft_history.paused_until == 0 and verified["r2"] == list(range(1, 47)) and made[2].num_accepted_tokens == 0
+
+
+@pytest.mark.parametrize("break_even, drafting", [(0.0, True), (MAX_BREAK_EVEN + 0.01, False)])
+def test_the_engines_break_even_decides_whether_drafts_pay(break_even, drafting):
+    """At a break-even of 0 a draft always pays (never paused, however often rejected); above
+    MAX_BREAK_EVEN (a large batch) no step drafts at all."""
+    reference, _, _ = run(make_scheduler(num_blocks=64), 0, max_tokens=40)
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=24)
+    scheduler.proposer = OracleProposer(lambda request, k: 0)
+    scheduler.schedule = functools.partial(scheduler.schedule, break_even=lambda decodes: break_even)
+    made = speculating(4, max_tokens=40)
     outputs = drive(scheduler, FakeRunner(64, 4), requests=made)
     at_rest(scheduler)
     assert outputs == reference
     for request in made:
-        assert (request.num_lookahead_tokens == 0) == (request.request_id in ("r0", "r3")), request.request_id
-    assert all(JUDGED_AFTER <= r.num_draft_tokens < JUDGED_AFTER + 4 and r.num_accepted_tokens == 0
-               for r in (made[0], made[3]))
-    assert made[1].num_accepted_tokens == made[1].num_draft_tokens > 0
-    assert made[2].num_draft_tokens > JUDGED_AFTER + 4 and made[2].num_accepted_tokens == 0
+        assert request.draft_history.paused_until == 0 and request.num_accepted_tokens == 0
+        assert request.num_draft_tokens > 3 * 36 if drafting else request.num_draft_tokens == 0

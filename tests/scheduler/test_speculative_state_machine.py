@@ -10,6 +10,7 @@ holds a block past its known tokens), the fake runner checks every KV position a
 teardown everything drains to FREE or CACHED. Each run counts the states it reached and fails on a zero.
 """
 
+import functools
 import math
 import os
 import random
@@ -19,13 +20,14 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule, run_state_machine_as_test
 
+from kvstrata.scheduler.drafts import DEFAULT_BREAK_EVEN, may_draft
 from tests.kvcache.fakes import OracleProposer, step
 from tests.scheduler.test_scheduler_state_machine import SchedulerMachine
 
 EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "1000")) // 2
 SPEC_STATES = ("all_accepted", "partly_accepted", "all_rejected", "rejection_within_block",
                "rejection_across_block", "drafts_refused_for_room", "abort_mid_speculation",
-               "preempt_mid_speculation", "resumed_after_speculating")
+               "preempt_mid_speculation", "resumed_after_speculating", "paused_after_drafts_that_did_not_pay")
 REACHED: Counter = Counter()
 
 
@@ -35,11 +37,21 @@ def reach(state: str) -> None:
 
 
 class SpeculativeMachine(SchedulerMachine):
-    @initialize(seed=st.integers(0, 2**32 - 1), lookahead=st.integers(1, 6))
-    def speculate(self, seed, lookahead):
+    @initialize(seed=st.integers(0, 2**32 - 1), lookahead=st.integers(1, 6),
+                break_even=st.sampled_from([0.0, DEFAULT_BREAK_EVEN]))
+    def speculate(self, seed, lookahead, break_even):
         rng = random.Random(seed)
         self.oracle = OracleProposer(lambda request, k: rng.randint(0, k))    # k: every draft right
         self.lookahead = lookahead
+        self.break_even = break_even      # 0: drafts always pay (never paused); the default: failing ones pause
+
+    def speculating_scheduler(self):
+        """The scheduler, drafting by the oracle and judging drafts by this run's break-even."""
+        scheduler = self.scheduler
+        scheduler.proposer = self.oracle
+        scheduler.schedule = functools.partial(type(scheduler).schedule, scheduler,
+                                               break_even=lambda decodes: self.break_even)
+        return scheduler
 
     def arrive(self, make, prompt, **options):
         def speculating(*args, **kwargs):
@@ -50,9 +62,8 @@ class SpeculativeMachine(SchedulerMachine):
 
     @rule()
     def step(self):
-        self.scheduler.proposer = self.oracle
         self.oracle.proposed.clear()
-        output = step(self.scheduler, self.runner)
+        output = step(self.speculating_scheduler(), self.runner)
         self.observe(output)
         assert not (output.preempted and any(c.draft_token_ids for c in output.chunks)), \
             "a step that preempted gave out drafts"
@@ -63,6 +74,8 @@ class SpeculativeMachine(SchedulerMachine):
         drafted = {c.request.request_id for c in output.chunks if c.draft_token_ids}
         if set(self.oracle.proposed) - drafted:
             reach("drafts_refused_for_room")
+        if any(not may_draft(c.request) for c in output.chunks if c.request.num_lookahead_tokens):
+            reach("paused_after_drafts_that_did_not_pay")
         for chunk in output.chunks:
             drafts = len(chunk.draft_token_ids)
             if not drafts:
@@ -78,8 +91,7 @@ class SpeculativeMachine(SchedulerMachine):
     @rule(data=st.data(), abort=st.booleans())
     def end_one_mid_step(self, data, abort):
         """Schedule, then abort or preempt a request the step computes (one with drafts if any), then run it."""
-        self.scheduler.proposer = self.oracle
-        output = self.scheduler.schedule()
+        output = self.speculating_scheduler().schedule()
         chunks = [c for c in output.chunks if c.draft_token_ids] or output.chunks
         if chunks:
             chunk = data.draw(st.sampled_from(chunks))
