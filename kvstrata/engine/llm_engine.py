@@ -170,10 +170,9 @@ class LLMEngine:
             raise RequestRejected("a handed-off request takes one sample (n and best_of 1)", "n")
 
     def _lookahead(self, params: SamplingParams, prediction: Sequence[int]) -> int:
-        """Draft tokens a request verifies per step: with --speculative-config or a prediction, unless
-        it asks for structured output (its grammar would have to check the drafts first)."""
+        """Draft tokens a request verifies per step: with --speculative-config or a prediction."""
         spec = self.config.speculative_config
-        if (spec is None and not prediction) or params.structured is not None:
+        if spec is None and not prediction:
             return 0
         return spec.num_speculative_tokens if spec is not None else PREDICTION_LOOKAHEAD
 

@@ -111,19 +111,31 @@ class GrammarMasker:
 
     def mask(self, logits: torch.Tensor, requests: Sequence[Request], in_place: bool) -> torch.Tensor:
         """`logits` (S, V) with every constrained row's forbidden tokens at -inf. Unconstrained rows
-        are untouched; `in_place` False copies the logits first (when they are still the raw ones)."""
+        are untouched; `in_place` False copies the logits first (when they are still the raw ones).
+
+        A row of a speculative step scores the token after some draft tokens (`Drafted`: its
+        `request` and `drafts`): its mask is the grammar's after those drafts, consumed and rolled
+        back. Past a draft the grammar refuses, the mask is the state before it; that row is never
+        used, since the refused draft's own row forbids it, so verification rejects it."""
         rows = [i for i, r in enumerate(requests) if r.sampling.structured is not None]
         if not rows:
             return logits
-        matchers = [self._caught_up(requests[i]) for i in rows]
         bitmask = torch.empty(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)   # (R, V/32)
         row_bytes = bitmask.shape[1] * 4
-        if len(matchers) < self.parallel_from:
-            for j, matcher in enumerate(matchers):
+        drafted = [_drafted(requests[i]) for i in rows]
+        matchers = [self._caught_up(request) for request, _ in drafted]
+        plain = [(j, m) for j, (m, (_, drafts)) in enumerate(zip(matchers, drafted)) if not drafts]
+        if len(plain) < self.parallel_from:
+            for j, matcher in plain:
                 matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + j * row_bytes, row_bytes)
         else:
-            self._executor.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(matchers)], bitmask.data_ptr(),
-                                                   row_bytes, len(matchers))
+            self._executor.unsafe_compute_mask_ptr([(m, j) for j, m in plain], bitmask.data_ptr(), row_bytes,
+                                                   len(matchers))
+        for j, (matcher, (_, drafts)) in enumerate(zip(matchers, drafted)):
+            if drafts:
+                consumed = matcher.try_consume_tokens(list(drafts))
+                matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + j * row_bytes, row_bytes)
+                matcher.rollback(consumed)
         for j, matcher in enumerate(matchers):
             if matcher.is_error():      # a parser limit hit mid-answer: end this answer, not the whole step
                 bitmask[j] = 0
@@ -155,6 +167,13 @@ class GrammarMasker:
         if matcher.is_error():          # masked to EOS only, like a grammar that fails later
             logger.warning("a grammar failed with this tokenizer: %s", matcher.get_error())
         return matcher
+
+
+def _drafted(row: Any) -> tuple[Request, tuple[int, ...]]:
+    """A row's request and the draft tokens it scores the token after: a speculative step's rows are
+    views of their request with some drafts taken (kvstrata.worker.speculative.Drafted), others the
+    request itself."""
+    return getattr(row, "request", row), tuple(getattr(row, "drafts", ()))
 
 
 def _bit(index: int) -> int:

@@ -14,8 +14,10 @@ penalties, min_tokens, logit bias and bad words all see those drafts.
 
 A request asking for logprobs gets them for every token it takes, the accepted drafts' and the
 one sampled after them, read from the raw logits of their rows (each row is the position plain
-decoding would score that token at). Requests asking for structured output do not speculate (the
-engine gives them no lookahead).
+decoding would score that token at). A request asking for structured output has each row masked by
+its grammar after that row's drafts (kvstrata.structured.grammar): a draft the grammar forbids has
+no probability at its row, so it is rejected there, and the token sampled in its place obeys the
+grammar as plain decoding's would.
 """
 
 from __future__ import annotations
@@ -76,7 +78,6 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request],
     """`logits` (sum of len(d) + 1, V): each request's rows back to back, row i after its first i drafts."""
     views = [Drafted(r, tuple(d[:i])) for r, d in zip(requests, drafts) for i in range(len(d) + 1)]
     assert logits.shape[0] == len(views), "one row per draft plus one per request"
-    assert all(r.sampling.structured is None for r in requests), "a request with structured output does not speculate"
     processed = sampler.process(logits, views)
     argmax = processed.argmax(dim=-1).tolist()
     verdicts, row = [], 0

@@ -69,16 +69,62 @@ def test_sampled_requests_speculate_and_seeded_ones_repeat(make_engine):
     assert first.new_token_ids == second.new_token_ids and engine.stats.spec_decode_num_drafts > 0
 
 
-def test_only_structured_output_keeps_a_request_from_speculating(make_engine):
+def test_every_kind_of_request_speculates(make_engine):
     from kvstrata.core.sampling_params import GrammarSpec
 
     engine = make_engine(speculative_config=NGRAM)
-    cases = [(greedy(structured=GrammarSpec("regex", "[a-z ]+")), 0), (greedy(logprobs=2), 4),
-             (SamplingParams(n=2, temperature=0.5, max_tokens=8), 4), (greedy(), 4)]
-    for params, lookahead in cases:
-        assert engine.add_request(REPEATING, params).num_lookahead_tokens == lookahead
+    cases = [greedy(structured=GrammarSpec("regex", "[a-z ]+")), greedy(logprobs=2),
+             SamplingParams(n=2, temperature=0.5, max_tokens=8), greedy()]
+    for params in cases:
+        assert engine.add_request(REPEATING, params).num_lookahead_tokens == 4
     while engine.has_unfinished:
         engine.step()
+
+
+GRAMMARS = {"regex": ("regex", "[a-z_ =+():\n]{8,60}"),
+            "json": ("json_schema", '{"type": "object", "properties": {"name": {"type": "string"}, "body": '
+                                    '{"type": "string"}}, "required": ["name", "body"]}')}
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS)
+def test_structured_output_speculates_and_keeps_plain_outputs(make_engine, grammar):
+    """Each verification row masked by the grammar after its drafts: greedy structured outputs with
+    n-gram drafts equal plain ones token for token, and drafts the grammar forbids are rejected
+    (the drafts come from a prompt full of tokens the grammar does not allow in every place)."""
+    import json
+    import re
+
+    from kvstrata.core.sampling_params import GrammarSpec
+
+    params = greedy(max_tokens=48, structured=GrammarSpec(*GRAMMARS[grammar]))
+    plain = make_engine(enable_prefix_caching=False).generate([REPEATING], params)[0]
+    engine = make_engine(speculative_config=NGRAM, **TIERS)
+    engine.step_cost.draft_break_even = lambda decodes: 0.0    # drafts verified whether or not they pay here
+    spec = engine.generate([REPEATING], params)[0]
+    assert spec.new_token_ids == plain.new_token_ids and spec.text == plain.text
+    stats = engine.stats
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    if grammar == "regex" and spec.finish_reason == "stop":
+        assert re.fullmatch(GRAMMARS["regex"][1], spec.text)
+    elif grammar == "json" and spec.finish_reason == "stop":
+        assert set(json.loads(spec.text)) >= {"name", "body"}
+    assert engine.scheduler.tiers.audit()["device"].used == 0
+
+
+def test_sampled_structured_output_with_drafts_obeys_its_grammar(make_engine):
+    """Rejection sampling over masked rows: every sampled answer with drafts still matches the regex."""
+    import re
+
+    from kvstrata.core.sampling_params import GrammarSpec
+
+    pattern = "[a-z ]{4,40}"
+    engine = make_engine(speculative_config=NGRAM)
+    engine.step_cost.draft_break_even = lambda decodes: 0.0
+    params = SamplingParams(max_tokens=48, temperature=1.0, n=4, structured=GrammarSpec("regex", pattern))
+    outputs = engine.generate([REPEATING], params)
+    assert engine.stats.spec_decode_num_draft_tokens > 0
+    for output in outputs:
+        assert output.finish_reason == "stop" and re.fullmatch(pattern, output.text), output.text
 
 
 def test_logprobs_of_accepted_drafts_are_those_of_plain_decoding(make_engine, smollm2):
