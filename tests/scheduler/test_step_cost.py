@@ -2,7 +2,7 @@
 
 import random
 
-from kvstrata.engine.step_cost import MIN_STEPS, QUEUE_RATIO, STRETCH, StepCostModel
+from kvstrata.scheduler.step_cost import MIN_STEPS, QUEUE_RATIO, STRETCH, StepCostModel
 
 
 def trained(base=0.02, per_token=0.0006, per_decode=0.001, steps=200, seed=0):

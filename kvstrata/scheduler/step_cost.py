@@ -1,7 +1,8 @@
 """What a step costs on this machine, learned from the steps the engine runs: the time of a step as
 `base + per_prefill_token * prefill tokens + per_decode * decodes`, fitted by recursive least squares
 that forgets old steps (the host's speed moves), so the engine can keep a step with running decodes
-under a time target (`--max-tpot-ms`) by cutting its prefill.
+under a time target (`--max-tpot-ms`) by cutting its prefill. Here, beside the scheduler it limits, so
+that the simulator learns it from its simulated steps as the engine does from real ones.
 
 Why: a step carrying a 512-token prefill chunk took 0.3-0.4 s beside decodes of 0.03 s (multi-turn
 at 90% of saturation, 2-core EPYC), and every running stream waits for it: those steps made the ITL
@@ -10,7 +11,12 @@ p99. The figures: docs/design/scheduler.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+from kvstrata.core.config import SchedulerConfig
+from kvstrata.scheduler.scheduler import SchedulerOutput
 
 MIN_STEPS = 16            # observations before the fit is trusted (until then: no cut)
 # A step with decodes may always take this many times a decode-only step: under heavy load the decodes
@@ -38,6 +44,20 @@ class StepCostModel:
         self.inverse = (self.inverse - np.outer(gain, x @ self.inverse)) / self.forgetting
         self.steps += 1
         self.prefill_steps += prefill_tokens > 0
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """A step that ran: its prefill rows (drafts beyond a decode's one count as prefill), decodes and time."""
+        prefills = [c for c in output.chunks if c.start < c.request.num_prompt_tokens]
+        drafts = sum(len(c.draft_token_ids) for c in output.chunks)
+        self.observe(sum(c.num_tokens for c in prefills) + drafts, len(output.chunks) - len(prefills), seconds)
+
+    def limiter(self, config: SchedulerConfig) -> Callable[[int, int], int] | None:
+        """`Scheduler.schedule`'s prefill_limit under `config.max_tpot_ms` (None: no target, no cut)."""
+        if not config.max_tpot_ms:
+            return None
+        return lambda decodes, waiting: self.prefill_limit(config.max_tpot_ms / 1000, decodes,
+                                                           config.min_prefill_tokens,
+                                                           config.max_num_batched_tokens, waiting)
 
     def prefill_limit(self, target_s: float, decodes: int, floor: int, ceiling: int, waiting: int = 0) -> int:
         """Most prefill tokens a step with `decodes` decodes can take within `target_s`, or within STRETCH
