@@ -169,11 +169,13 @@ class SimResult:
     blocks_at_end: dict[str, int] = field(default_factory=dict)
     speculation: dict | None = None            # drafts and acceptance (SimulatedDrafts.report), when on
     itl: array = field(default_factory=lambda: array("d"))   # seconds between a request's sampling steps
+    prompt_engines: int | None = None          # engines that see each prompt first (a disaggregated fleet's
+                                               # prefill engines: its decode engines' hits are the handoff)
 
     def to_json(self) -> dict:
         """The figures `kvstrata simulate --output-json` writes (hit rates are shares of prompt blocks)."""
         size = self.config.block_size
-        hits = {tier: sum(e["hit_tokens"][tier] for e in self.engines) // size for tier in TIERS}
+        hits = {tier: sum(e["hit_tokens"][tier] for e in self.engines[:self.prompt_engines]) // size for tier in TIERS}
         evictions = {tier: sum(e["evicted_blocks"][tier] for e in self.engines) for tier in ("device", "host")}
         out = summarize(self.records, hits, self.prompt_blocks)
         out.update(itl_s=_percentiles(np.frombuffer(self.itl, dtype=np.float64)), ideal_hit_rate=self.ideal_hit_rate,

@@ -43,6 +43,7 @@ def test_a_fleet_serves_every_request_and_holds_nothing_at_the_end(tmp_path, spl
     assert report["audit"]["device_used_at_end"] == 0 and report["audit"]["device_in_flight_at_end"] == 0
     assert all(record.engine >= split[0] for record in result.records)         # every reply from a decode engine
     assert sum(e["hit_tokens"]["store"] for e in result.engines[split[0]:]) > 0
+    assert report["hit_rate"]["total"] <= report["ideal_hit_rate"]      # the prefill engines' prefix hits only
 
 
 def test_the_command_compares_a_split_with_as_many_colocated_engines(tmp_path):
