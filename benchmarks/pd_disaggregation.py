@@ -172,12 +172,16 @@ def print_comparison(measured: dict[str, dict], simulated: dict[str, dict], prof
     print(f"simulator (kvstrata simulate --pd-splits 1:1, profile {profile.name}): predicted against measured")
     print(f"{'':<14}" + "".join(f"{label:>33}" for label in ("1P+1D", "2 colocated", "ratio (1P+1D / 2 colocated)")))
     print(f"{'':<14}" + f"{'measured':>12}{'simulated':>11}{'error':>10}" * 3)
+    errors = []
     for label, key, stat, _ in ROWS:
         real = [measured[kind][key] if stat is None else measured[kind][key][stat] for kind in KINDS]
         sim = [predicted(simulated[kind], key, stat) for kind in KINDS]
         real.append(real[0] / real[1])
         sim.append(sim[0] / sim[1])
+        errors += [p / r - 1 for r, p in zip(real, sim)]
         print(f"{label:<14}" + "".join(f"{r:>12.2f}{p:>11.2f}{p / r - 1:>+10.1%}" for r, p in zip(real, sim)))
+    print(f"within the goal of 10%: {sum(abs(e) <= 0.1 for e in errors)} of {len(errors)} "
+          f"(fleets' figures {sum(abs(e) <= 0.1 for i, e in enumerate(errors) if i % 3 < 2)} of {len(ROWS) * 2})")
 
 
 def main() -> None:
