@@ -12,11 +12,19 @@ on the same trace:
 
 It prints TTFT p50/p99, TPOT p99, ITL p99 and output throughput of both fleets and the ratios
 (disaggregated / colocated) beside the issue's goals (TPOT p99 and ITL p99 <= 0.7x, TTFT p50
-<= 1.3x), the handoffs the router counted, and the machine's load before and after each run
-(timings on a shared machine mostly measure the neighbours: take the quiet lock first).
+<= 1.3x), the handoffs the router counted, the CPU time each part of each fleet used, and the
+machine's load before and after each run (timings on a shared machine mostly measure the
+neighbours: take the quiet lock first).
+
+Then the simulator's prediction for the same two fleets on the same trace (`kvstrata simulate
+--pd-splits 1:1`, the engines' own defaults: block size, batch budget, --max-tpot-ms, KV memory;
+the kv_aware router; steps and the store link from --profile, a 1-thread calibration of this
+machine against Redis) beside the measured figures, with the relative error of each.
+`--simulate-only DIR` redoes that comparison from a run's saved results in DIR.
 
 Run: .venv/bin/python benchmarks/pd_disaggregation.py [--streams 8] [--long 6] [--long-len 1800]
-     [--long-gap 2.0] [--stream-output 160] [--repeats 1]
+     [--long-gap 2.0] [--stream-output 160] [--repeats 1] [--profile P]
+     .venv/bin/python benchmarks/pd_disaggregation.py --simulate-only /tmp/pd-disaggregation-XXXX
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import os
 import platform
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -34,8 +43,17 @@ from pathlib import Path
 import httpx
 from router_fleet import kvstrata, wait_ready
 
+from kvstrata.core.config import CacheConfig, SchedulerConfig
+from kvstrata.sim.cost_model import CostModel
+
 TRACE_BLOCK = 512
 REDIS = Path(sys.executable).parent / "redis-server"
+PROFILE = Path(__file__).parent / "profiles" / "cpu-2core-zen5-smollm2-redis.json"
+KINDS = ("disaggregated", "colocated")
+ROWS = (("TTFT p50 ms", "ttft_ms", "p50", 1.3), ("TTFT p99 ms", "ttft_ms", "p99", None),
+        ("TPOT p99 ms", "tpot_ms", "p99", 0.7), ("ITL p99 ms", "itl_ms", "p99", 0.7),
+        ("output tok/s", "output_throughput", None, None))
+SIMULATED = {"ttft_ms": "ttft_s", "tpot_ms": "tpot_s", "itl_ms": "itl_s"}    # measured key -> simulator's
 
 
 def write_trace(path: Path, streams: int, long: int, long_len: int, long_gap: float, stream_output: int) -> None:
@@ -78,23 +96,92 @@ def run_fleet(kind: str, trace: Path, requests: int, stream_output: int, out: Pa
         processes.append(kvstrata("router", "--port", str(port), "--log-level", "WARNING", *flags,
                                   stdout=logs, stderr=subprocess.STDOUT))
         router = f"http://127.0.0.1:{port}"
+        parts = ["redis", *roles, "router"]
         try:
             wait_ready(router, processes[1:])
             load = os.getloadavg()[0]
+            cpu_before = [cpu_seconds(process.pid) for process in processes]
+            machine_before = machine_cpu()
+            client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             subprocess.run([sys.executable, "-m", "kvstrata", "bench", "serve", "--base-url", router, "--label", kind,
                             "--workload", f"trace:{trace}", "--output-len", str(stream_output),
                             "--num-requests", str(requests), "--repeats", str(repeats), "--warmup-requests", "2",
                             "--output", str(out / kind), "--no-progress", "--timeout", "600"],
                            check=True, stdout=subprocess.DEVNULL)
+            client = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = {f"{part}{i}": after - before for i, (part, process, before)
+                   in enumerate(zip(parts, processes, cpu_before)) if (after := cpu_seconds(process.pid)) >= 0}
+            cpu["client"] = client.ru_utime + client.ru_stime - client_before.ru_utime - client_before.ru_stime
+            cpu.update({f"machine_{name}": after - before for name, after, before
+                        in zip(("busy", "steal"), machine_cpu(), machine_before)})
             (summary,) = json.loads((out / f"{kind}.json").read_text())["summary"].values()
             metrics = {line.split()[0]: float(line.split()[1]) for line in httpx.get(f"{router}/metrics").text.splitlines()
                        if re.match(r"kvstrata_router_(handoffs|handoff_fallbacks|handed_over_tokens)_total", line)}
-            return {"summary": summary, "load": (load, os.getloadavg()[0]), "router": metrics}
+            return {"summary": summary, "load": (load, os.getloadavg()[0]), "router": metrics, "cpu_s": cpu}
         finally:
             for process in processes:
                 process.terminate()
             for process in processes:
                 process.wait(timeout=60)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process, all its threads (-1 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return -1.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu() -> tuple[float, float]:
+    """CPU seconds of the whole machine so far: busy (every process, ours or a neighbour's) and stolen
+    by the hypervisor (/proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+def simulate(trace: Path, profile: Path, out: Path) -> dict[str, dict]:
+    """`kvstrata simulate` of 1P+1D and 2 colocated engines on `trace`, set up as the real fleets are:
+    the engines' default block size, batch budget, step-time target and KV memory (1 thread: the profile)."""
+    cache, scheduling = CacheConfig(), SchedulerConfig()
+    block_bytes = CostModel.load(profile).block_bytes(cache.block_size)
+    device_tokens = cache.kv_cache_memory // block_bytes * cache.block_size
+    path = out / "simulated.json"
+    subprocess.run([sys.executable, "-m", "kvstrata", "simulate", "--trace", str(trace), "--pd-splits", "1:1",
+                    "--router", "kv_aware", "--store-cache-tokens", "inf", "--profile", str(profile),
+                    "--block-size", str(cache.block_size), "--device-cache-tokens", str(device_tokens),
+                    "--max-num-seqs", str(scheduling.max_num_seqs),
+                    "--max-num-batched-tokens", str(scheduling.max_num_batched_tokens),
+                    "--max-tpot-ms", str(scheduling.max_tpot_ms), "--output-json", str(path)],
+                   check=True, stdout=subprocess.DEVNULL)
+    layouts = json.loads(path.read_text())["layouts"]
+    return dict(zip(KINDS, layouts))
+
+
+def predicted(run: dict, key: str, stat: str | None) -> float:
+    """A simulated figure in the benchmark's units (ms, output tok/s)."""
+    if stat is None:
+        return run["throughput_tok_s"]
+    return run[SIMULATED[key]][stat] * 1000
+
+
+def print_comparison(measured: dict[str, dict], simulated: dict[str, dict], profile: Path) -> None:
+    """Each figure of both fleets, measured and simulated, with the simulator's relative error; the ratios too."""
+    print(f"simulator (kvstrata simulate --pd-splits 1:1, profile {profile.name}): predicted against measured")
+    print(f"{'':<14}" + "".join(f"{label:>33}" for label in ("1P+1D", "2 colocated", "ratio (1P+1D / 2 colocated)")))
+    print(f"{'':<14}" + f"{'measured':>12}{'simulated':>11}{'error':>10}" * 3)
+    errors = []
+    for label, key, stat, _ in ROWS:
+        real = [measured[kind][key] if stat is None else measured[kind][key][stat] for kind in KINDS]
+        sim = [predicted(simulated[kind], key, stat) for kind in KINDS]
+        real.append(real[0] / real[1])
+        sim.append(sim[0] / sim[1])
+        errors += [p / r - 1 for r, p in zip(real, sim)]
+        print(f"{label:<14}" + "".join(f"{r:>12.2f}{p:>11.2f}{p / r - 1:>+10.1%}" for r, p in zip(real, sim)))
+    print(f"within the goal of 10%: {sum(abs(e) <= 0.1 for e in errors)} of {len(errors)} "
+          f"(fleets' figures {sum(abs(e) <= 0.1 for i, e in enumerate(errors) if i % 3 < 2)} of {len(ROWS) * 2})")
 
 
 def main() -> None:
@@ -106,7 +193,16 @@ def main() -> None:
     parser.add_argument("--stream-output", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--port", type=int, default=18300, help="router port; engines on the next two, Redis +10")
+    parser.add_argument("--profile", type=Path, default=PROFILE, help="the simulator's calibrated profile")
+    parser.add_argument("--simulate-only", type=Path, default=None, metavar="DIR",
+                        help="no fleets: the simulator against the measured figures a run saved in DIR")
     args = parser.parse_args()
+    if args.simulate_only is not None:
+        measured = {kind: next(iter(json.loads((args.simulate_only / f"{kind}.json").read_text())["summary"].values()))
+                    for kind in KINDS}
+        print_comparison(measured, simulate(args.simulate_only / "mixed.jsonl", args.profile, args.simulate_only),
+                         args.profile)
+        return
     out = Path(tempfile.mkdtemp(prefix="pd-disaggregation-"))
     trace = out / "mixed.jsonl"
     write_trace(trace, args.streams, args.long, args.long_len, args.long_gap, args.stream_output)
@@ -115,20 +211,23 @@ def main() -> None:
           f"({args.long_len} -> 8 tokens, every {args.long_gap}s); {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores; files in {out}")
     results = {kind: run_fleet(kind, trace, requests, args.stream_output, out, args.port, args.repeats)
-               for kind in ("disaggregated", "colocated")}
-    rows = (("TTFT p50 ms", "ttft_ms", "p50", 1.3), ("TTFT p99 ms", "ttft_ms", "p99", None),
-            ("TPOT p99 ms", "tpot_ms", "p99", 0.7), ("ITL p99 ms", "itl_ms", "p99", 0.7))
+               for kind in KINDS}
     print(f"{'':<14} {'1P+1D':>10} {'2 colocated':>12} {'ratio':>7}   goal")
-    for label, key, stat, goal in rows:
-        pd, co = (results[kind]["summary"][key][stat] for kind in ("disaggregated", "colocated"))
+    for label, key, stat, goal in ROWS:
+        pd, co = (results[kind]["summary"][key] if stat is None else results[kind]["summary"][key][stat]
+                  for kind in KINDS)
         verdict = "" if goal is None else f"<= {goal}x: {'met' if pd <= goal * co else 'NOT met'}"
         print(f"{label:<14} {pd:>10.1f} {co:>12.1f} {pd / co:>7.2f}   {verdict}")
-    pd, co = (results[kind]["summary"]["output_throughput"] for kind in ("disaggregated", "colocated"))
-    print(f"{'output tok/s':<14} {pd:>10.1f} {co:>12.1f} {pd / co:>7.2f}")
     for kind, result in results.items():
         failed = result["summary"].get("failed", 0)
+        cpu = ", ".join(f"{part} {seconds:.1f}" for part, seconds in result["cpu_s"].items())
+        fleet = sum(seconds for part, seconds in result["cpu_s"].items() if not part.startswith("machine_"))
+        cpu += f" (the fleet {fleet:.1f}, so the neighbours {result['cpu_s']['machine_busy'] - fleet:.1f})"
         print(f"{kind}: load (1-min) {result['load'][0]:.1f} -> {result['load'][1]:.1f}; failed {failed}; "
-              f"router: {result['router'] or '-'}")
+              f"router: {result['router'] or '-'}; CPU s over {result['summary']['duration_s']:.1f} s: {cpu}")
+    (out / "fleets.json").write_text(json.dumps(results, indent=2) + "\n")
+    print_comparison({kind: result["summary"] for kind, result in results.items()}, simulate(trace, args.profile, out),
+                     args.profile)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@
 then fits `compute` by non-negative least squares on relative error (cost_model.fit). Prompts are
 fresh for every run of the grid, so each repeat has the same shapes; each step keeps its median.
 It also times the engine's device -> host copies (`host_link`), encoding and decoding a block's
-store record (`record_link`, `decode_link`) and reading blocks back from a disk store (`store_link`). With `--trace` it
+store record (`record_link`, `decode_link`) and reading blocks back from a store (`store_link`: a disk store in
+the temp folder, or the Redis of `--store redis://...`, as engines sharing it load). With `--trace` it
 replays trace slices on the engine too and fits their steps as well; the profile's `fitted_on`
 names the grid and every such slice, and `simulate --validate` refuses those slices.
 
@@ -52,7 +53,7 @@ from kvstrata.calibration.slices import SLICES, time_scale_for
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.machine import machine as current_machine
 from kvstrata.core.sampling_params import SamplingParams
-from kvstrata.kvcache.stores.disk import DiskStore
+from kvstrata.kvcache.stores import open_store
 from kvstrata.sim.batch_shape import BatchShape
 from kvstrata.sim.cost_model import CostModel, Link, fit, relative_errors
 
@@ -192,11 +193,11 @@ def _link(one: float, many: float, block_bytes: int, blocks: int = 32) -> Link:
     return Link(latency_s=max(0.0, one - block_bytes / bandwidth), bandwidth=bandwidth)
 
 
-def _transfer_links(engine, timer: Callable[[], float]) -> tuple[Link, Link, Link, Link]:
+def _transfer_links(engine, timer: Callable[[], float], store: str) -> tuple[Link, Link, Link, Link]:
     """The engine's own device -> host block copies (one block, then 32: latency and bandwidth);
     the time to encode one block's store record and to decode one (a bandwidth over the block's
     bytes each: decoding checks and copies more, so each has its own link);
-    a disk store's loads of such records while the engine steps (`_store_link`)."""
+    the `store`'s loads of such records while the engine steps (`_store_link`)."""
     buffers = engine.runner.buffers
     block_bytes = engine.runner.spec.bytes_per_block
     one = _best(lambda: buffers.copy("device", "host", [(0, 0)]), timer)
@@ -205,11 +206,18 @@ def _transfer_links(engine, timer: Callable[[], float]) -> tuple[Link, Link, Lin
     record = buffers.encode("device", 0, b"\0" * 16, tokens)
     encode = _best(lambda: buffers.encode("device", 0, b"\0" * 16, tokens), timer)
     decode = _best(lambda: buffers.decode_into("device", 1, record, b"\0" * 16, tokens), timer)
-    store = _store_link(record, lambda: _decode_step(engine))
+    store = _store_link(record, lambda: _decode_step(engine), store)
     while engine.has_work:              # what comes next (the speed probe) finds the engine idle
         engine.step()
     return (_link(one, many, block_bytes), Link(latency_s=0.0, bandwidth=block_bytes / encode),
             Link(latency_s=0.0, bandwidth=block_bytes / decode), store)
+
+
+def _store_name(spec: str) -> str:
+    """The store the link was measured on, for the profile's source (a URL without its password)."""
+    if spec == "disk":
+        return f"a disk store in {tempfile.gettempdir()}"
+    return f"{spec.split('://')[0]} at {spec.rsplit('@', 1)[-1].split('://')[-1]}"
 
 
 def _decode_step(engine) -> None:
@@ -218,14 +226,18 @@ def _decode_step(engine) -> None:
     engine.step()
 
 
-def _store_link(record: bytes, busy: Callable[[], None], repeat: int = 5) -> Link:
-    """A disk store's loads: records just written, read back on a store thread while `busy` runs
-    the engine's step loop (as a load runs), one then 32, the median of `repeat`, in wall time.
-    A store that is also writing shares its threads with the writes, so this link is optimistic
-    for it (figures in docs/design/simulator.md, "Calibration")."""
+def _store_link(record: bytes, busy: Callable[[], None], spec: str = "disk", repeat: int = 5) -> Link:
+    """A store's loads (`spec`: "disk", a disk store in a temp folder, or a `--store` URL such as
+    redis://host:port/db): records just written, read back on a store thread while `busy` runs the
+    engine's step loop (as a load runs), one then 32, the median of `repeat`, in wall time. A store
+    that is also writing shares its threads with the writes, so this link is optimistic for it
+    (figures in docs/design/simulator.md, "Calibration")."""
     with tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-") as folder, ThreadPoolExecutor(1) as thread:
-        store = DiskStore(folder, 1024 * len(record))
-        fresh = (i.to_bytes(16, "big") for i in itertools.count())
+        store = open_store(spec, folder, 1024 * len(record), timeout_s=5.0)
+        if store is None:
+            raise ValueError("calibration measures a store link: --store must name one (disk or a URL), not none")
+        stamp = time.time_ns().to_bytes(8, "big")       # keys of their own in a store that outlives the run
+        fresh = (stamp + i.to_bytes(8, "big") for i in itertools.count())
 
         def read(keys: list[bytes]) -> float:
             store.get(keys)
@@ -240,7 +252,10 @@ def _store_link(record: bytes, busy: Callable[[], None], repeat: int = 5) -> Lin
                 busy()
             return done.result() - started
 
-        one, many = (statistics.median(load(blocks) for _ in range(repeat)) for blocks in (1, 32))
+        try:
+            one, many = (statistics.median(load(blocks) for _ in range(repeat)) for blocks in (1, 32))
+        finally:
+            store.close()
         return _link(one, many, len(record))
 
 
@@ -267,8 +282,9 @@ class Calibration:
 
 
 def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = None, clock: str = "cpu",
-              trace: str | Path | None = None, slices: tuple[str, ...] = ()) -> Calibration:
-    """Fit a profile to the default model on this machine: the grid, and `slices` of `trace` if named."""
+              trace: str | Path | None = None, slices: tuple[str, ...] = (), store: str = "disk") -> Calibration:
+    """Fit a profile to the default model on this machine: the grid, and `slices` of `trace` if named;
+    the store link is `store`'s (see `_store_link`)."""
     from kvstrata.engine.llm_engine import LLMEngine
 
     config = EngineConfig.from_options(block_size=BLOCK_SIZE, kv_cache_memory="512MiB", max_model_len=4096,
@@ -281,7 +297,7 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     warm_up(engine)
     shapes, seconds = _grid_medians(engine, recorder, CLOCKS[clock], repeat)
     spec = recorder.runner.spec
-    host_link, record_link, decode_link, store_link = _transfer_links(engine, CLOCKS[clock])
+    host_link, record_link, decode_link, store_link = _transfer_links(engine, CLOCKS[clock], store)
     probe = speed_probe(engine, CLOCKS[clock])
     fitted_on = [_grid_identity(len(shapes), repeat, probe)]
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
@@ -291,7 +307,7 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
                    source=(f"calibrated on {machine or current_machine().describe()}, {datetime.date.today().isoformat()}, model "
                            f"{engine.loaded.name} ({engine.loaded.dtype}, {threads or 'default'} threads), "
                            f"{len(shapes)} grid steps x {repeat} runs{' + trace slices ' + ','.join(slices) if slices else ''}"
-                           f" timed by {CLOCK_NAMES[clock]}; store link: a disk store in {tempfile.gettempdir()}"))
+                           f" timed by {CLOCK_NAMES[clock]}; store link: {_store_name(store)}"))
     loaded = engine.loaded
     engine.close()
     fitted_on += _replay_slices(trace, slices, shapes, seconds, profile, threads, clock, loaded)

@@ -36,7 +36,6 @@ from kvstrata.core.timeline import RequestTimeline
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.prompts import Prompt, PromptEncoder
 from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot, EngineStats, RequestCounts, copied
-from kvstrata.engine.step_cost import StepCostModel
 from kvstrata.engine.timelines import TimelineRecorder
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.stores import open_store
@@ -45,6 +44,7 @@ from kvstrata.model.arch import ModelArch
 from kvstrata.model.loader import LoadedModel, load_model
 from kvstrata.scheduler.drafts import PREDICTION_LOOKAHEAD
 from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvstrata.scheduler.step_cost import StepCostModel
 from kvstrata.structured.grammar import compile_grammar
 from kvstrata.worker.runner import ModelRunner, StepResult
 
@@ -233,7 +233,7 @@ class LLMEngine:
         began = time.monotonic()            # the clock of arrivals and timelines
         output = None
         try:
-            output = self.scheduler.schedule(self._prefill_limit if self.config.scheduler.max_tpot_ms else None,
+            output = self.scheduler.schedule(self.step_cost.limiter(self.config.scheduler),
                                              self.step_cost.draft_break_even)
             self.stats.schedule_seconds += time.perf_counter() - started
             if output.is_empty:
@@ -254,11 +254,6 @@ class LLMEngine:
             return self._recover(exc, output)
         self._account(output, result.accepted, started)
         return outputs
-
-    def _prefill_limit(self, decodes: int, waiting: int) -> int:
-        scheduler = self.config.scheduler
-        return self.step_cost.prefill_limit(scheduler.max_tpot_ms / 1000, decodes, scheduler.min_prefill_tokens,
-                                            scheduler.max_num_batched_tokens, waiting)
 
     def _timeline_of(self, request_id: str) -> RequestTimeline | None:
         tracked = self._tracked.get(request_id)
@@ -359,10 +354,7 @@ class LLMEngine:
         seconds = time.perf_counter() - started
         self.stats.count_step(seconds)
         if not output.is_empty:
-            prefills = [c for c in output.chunks if c.start < c.request.num_prompt_tokens]
-            drafts = sum(len(c.draft_token_ids) for c in output.chunks)     # rows beyond a decode's one, as prefill's
-            self.step_cost.observe(sum(c.num_tokens for c in prefills) + drafts, len(output.chunks) - len(prefills),
-                                   seconds)
+            self.step_cost.observe_step(output, seconds)
         self.stats.generated_tokens += sum(chunk.sample + len(chunk.forks) for chunk in output.chunks) \
             + sum(accepted.values())
         step_began = time.monotonic() - (time.perf_counter() - started)     # on the clock the server uses

@@ -11,7 +11,8 @@ docs/design/disaggregation.md on the virtual clock, with the real scheduler and 
                link's time) and computes the rest of the prompt, then decodes
 
 A request's TTFT is its decode engine's first token, as a client of `kvstrata router
---pd-disaggregation` sees it (the prefill engine's token is not sent on).
+--pd-disaggregation` sees it (the prefill engine's token is not sent on), and so are its ITL. Hit
+rates are the prefill engines' (prefix caching); the decode engines' store hits are the handoff.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvstrata.core.hashing import BlockHash
 from kvstrata.core.request import Request
 from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.routing import make_router
-from kvstrata.sim.simulator import SimConfig, Simulator, _Engine
+from kvstrata.sim.simulator import SimConfig, SimResult, Simulator, _Engine
 from kvstrata.sim.traces import TraceRequest
 
 
@@ -68,6 +69,9 @@ class DisaggregatedSimulator(Simulator):
         index = job[0]
         if index < self.num_prefill and self._handoffs.get(index):
             self._hand_over(self.engines[index])
+
+    def _result(self, ideal: float, wall_s: float) -> SimResult:
+        return dataclasses.replace(super()._result(ideal, wall_s), prompt_engines=self.num_prefill)
 
     def _hand_over(self, engine: _Engine) -> None:
         """Send each request whose stored run is settled to a decode engine."""

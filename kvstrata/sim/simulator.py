@@ -13,7 +13,9 @@ that serves requests:
                and how many of them were accepted is drawn from the workload's acceptance
                (kvstrata.sim.speculation); a step that computes nothing but copied or
                encoded blocks (an admission that only started loads) lasts that work, as the
-               engine's schedule() does
+               engine's schedule() does; with `max_tpot_ms` (the engine's --max-tpot-ms),
+               each engine learns its step cost from its simulated steps and cuts prefill
+               beside decodes as the engine does (kvstrata.scheduler.step_cost)
     store I/O  lookups, loads and writes complete when their transfer would have (stand_ins), so
                requests wait in LOADING and blocks stay IN_FLIGHT as in the engine
 
@@ -28,6 +30,7 @@ import itertools
 import logging
 import math
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -39,6 +42,7 @@ from kvstrata.core.request import Request
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.tiers import PROBE_WAIT_S, TierManager
 from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvstrata.scheduler.step_cost import StepCostModel
 from kvstrata.sim.batch_shape import BatchShape
 from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.routing import ROUTERS, make_router
@@ -74,6 +78,8 @@ class SimConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 8192
     policy: str = "fcfs"
+    max_tpot_ms: float = 0.0                      # the engine's step-time target for prefill beside decodes
+                                                  # (its default is 150; 0: no cut, as --validate runs it)
     write_policy: str = "write_back"
     store_timeout: float = 2.0
     audit: bool = False
@@ -100,6 +106,8 @@ class SimConfig:
             raise ValueError(f"policy must be one of {POLICIES}, write_policy one of {WRITE_POLICIES}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.max_tpot_ms < 0:
+            raise ValueError(f"max_tpot_ms must be 0 (off) or positive, not {self.max_tpot_ms}")
         if self.acceptance is not None and self.speculative is None:
             raise ValueError("an acceptance without a speculative config simulates nothing: pass one")
         return self
@@ -141,6 +149,7 @@ class _Engine:
     tiers: TierManager
     mover: NullMover
     executor: VirtualExecutor
+    step_cost: StepCostModel                   # what its steps cost, learned as the engine learns it
     output: SchedulerOutput | None = None      # the step in progress, applied when it ends
     wake_at: float | None = None               # a pending wake-up of an idle engine
     steps: int = 0
@@ -159,14 +168,17 @@ class SimResult:
     audited_steps: int = 0
     blocks_at_end: dict[str, int] = field(default_factory=dict)
     speculation: dict | None = None            # drafts and acceptance (SimulatedDrafts.report), when on
+    itl: array = field(default_factory=lambda: array("d"))   # seconds between a request's sampling steps
+    prompt_engines: int | None = None          # engines that see each prompt first (a disaggregated fleet's
+                                               # prefill engines: its decode engines' hits are the handoff)
 
     def to_json(self) -> dict:
         """The figures `kvstrata simulate --output-json` writes (hit rates are shares of prompt blocks)."""
         size = self.config.block_size
-        hits = {tier: sum(e["hit_tokens"][tier] for e in self.engines) // size for tier in TIERS}
+        hits = {tier: sum(e["hit_tokens"][tier] for e in self.engines[:self.prompt_engines]) // size for tier in TIERS}
         evictions = {tier: sum(e["evicted_blocks"][tier] for e in self.engines) for tier in ("device", "host")}
         out = summarize(self.records, hits, self.prompt_blocks)
-        out.update(ideal_hit_rate=self.ideal_hit_rate,
+        out.update(itl_s=_percentiles(np.frombuffer(self.itl, dtype=np.float64)), ideal_hit_rate=self.ideal_hit_rate,
                    preemptions=sum(e["preemptions"] for e in self.engines),
                    evictions={**evictions, "store": self.store_evictions},
                    steps=sum(e["steps"] for e in self.engines),
@@ -232,6 +244,8 @@ class Simulator:
         self.records = [RequestRecord(r.arrival, r.input_length, r.output_length) for r in trace]
         self._finished = 0
         self._audited = 0
+        self._last_token = [math.nan] * len(trace)  # when each request last sampled (for ITL)
+        self._itl = array("d")
         max_len = max(r.input_length + r.output_length for r in trace)
         need = max(math.ceil((r.input_length + r.output_length - 1) / size) for r in trace)
         everything = sum(math.ceil((r.input_length + r.output_length) / size) for r in trace)
@@ -251,7 +265,8 @@ class Simulator:
         cache.validate()
         scheduling = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                      max_num_batched_tokens=config.max_num_batched_tokens,
-                                     max_model_len=max(max_len, 2), policy=config.policy)
+                                     max_model_len=max(max_len, 2), policy=config.policy,
+                                     max_tpot_ms=config.max_tpot_ms)
         scheduling.validate()
         self.engines = [self._engine(index, cache, scheduling) for index in range(config.instances)]
         self.router = make_router(config.router, [e.scheduler for e in self.engines], self.tokens.per_trace_block)
@@ -269,7 +284,7 @@ class Simulator:
         tiers = TierManager(cache, cache.num_device_blocks, cache.num_host_blocks, store=self.store, mover=mover,
                             executor=executor, clock=self.clock, probe_wait=0)     # the executor answers in time
         scheduler = Scheduler(scheduling, tiers, speculative=self.config.speculative, proposer=self.drafts)
-        return _Engine(index, scheduler, tiers, mover, executor)
+        return _Engine(index, scheduler, tiers, mover, executor, StepCostModel())
 
     # ---- the event loop -------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -330,7 +345,7 @@ class Simulator:
             self._start_step(engine)
 
     def _start_step(self, engine: _Engine) -> None:
-        output = engine.scheduler.schedule()
+        output = engine.scheduler.schedule(engine.step_cost.limiter(engine.scheduler.config))
         seconds = engine.mover.take_seconds() + engine.executor.take_waited()
         if output.is_empty and not seconds:
             if engine.tiers.has_transfers:          # come back by the time any pending transfer times out
@@ -340,6 +355,7 @@ class Simulator:
         if not output.is_empty:
             seconds += self.cost.step_seconds(BatchShape.of(output.chunks, self.config.block_size,
                                                             self.cost.decode_in_place))
+            engine.step_cost.observe_step(output, seconds)
         self._post(self.clock.now + seconds, STEP, self._end_step, engine)
 
     def _end_step(self, engine: _Engine) -> None:
@@ -350,8 +366,12 @@ class Simulator:
             if chunk.sample:
                 request = chunk.request
                 sampled[request.request_id] = SAMPLED_TOKEN
+                index = int(request.request_id)
                 if request.num_output_tokens == 0:
-                    records[int(request.request_id)].first_token = now
+                    records[index].first_token = now
+                else:
+                    self._itl.append(now - self._last_token[index])
+                self._last_token[index] = now
                 if chunk.draft_token_ids:
                     accepted[request.request_id] = self.drafts.verify(len(chunk.draft_token_ids))
         for request in engine.scheduler.update(output, sampled, accepted):
@@ -390,4 +410,4 @@ class Simulator:
         return SimResult(self.config, self.cost.source, self.records,
                          num_prompt_blocks(self.trace, self.config.block_size), ideal, engines,
                          self.store.evictions if self.store is not None else 0, wall_s, self._audited, at_end,
-                         self.drafts.report() if self.drafts is not None else None)
+                         self.drafts.report() if self.drafts is not None else None, self._itl)

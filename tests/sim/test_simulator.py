@@ -150,6 +150,22 @@ def test_two_requests_by_hand():
     assert report["ideal_hit_rate"] == 0.4
 
 
+def test_a_step_time_target_cuts_a_long_prefill_beside_decodes_as_the_engine_does():
+    """Ten 64-token prompts 0.2 s apart (a prefill step each: the fit needs 8) decode 200 tokens each; a
+    4096-token prompt arrives at 3 s. Without a target its prefill is one 4.1 s step that every stream
+    waits for; with --max-tpot-ms 100 the engine's step cost, learned from the simulated steps, cuts it
+    to what fits beside ten decodes (5 x 30 ms), and every request still gets all its tokens."""
+    trace = [TraceRequest(0.2 * i, 64, 200, (i,)) for i in range(10)] + [TraceRequest(3.0, 4096, 2, tuple(range(10, 18)))]
+    runs = {target: Simulator(trace, SimConfig(block_size=64, max_tpot_ms=target, audit=True), fixed_cost()).run()
+            for target in (0.0, 100.0)}
+    assert max(runs[0.0].itl) > 4.0
+    assert max(runs[100.0].itl) < 0.2
+    for result in runs.values():
+        assert result.to_json()["output_tokens"] == 10 * 200 + 2
+        assert len(result.itl) == 10 * 199 + 1
+    assert runs[100.0].records[-1].ttft > runs[0.0].records[-1].ttft     # the long prompt pays for it
+
+
 def test_a_store_hit_waits_in_loading_for_its_transfer():
     """The device holds 6 blocks: C evicts A's 4 to the store, where B finds them 0.5 s per store call later."""
     trace = [TraceRequest(0.0, 1024, 1, (1, 2)), TraceRequest(10.0, 1536, 1, (7, 8, 9)),

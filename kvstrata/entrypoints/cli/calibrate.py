@@ -2,6 +2,7 @@
 
     kvstrata calibrate --output benchmarks/profiles/cpu-2core-smollm2.json        fit a profile on this machine
     kvstrata calibrate --trace T --fit-slices plain                           fit a slice too (then refused)
+    kvstrata calibrate --repeat 1 --store redis://127.0.0.1:6390/0 --output p.json     the store link of a Redis
 
 How the engine is run and timed (`add_engine_timing`) is shared with `kvstrata simulate --validate`,
 which must time it the same way.
@@ -32,6 +33,10 @@ def add_calibrate(commands: argparse._SubParsersAction) -> None:
                                                         "(default: CPU model and core count)")
     add_engine_timing(parser)
     parser.add_argument("--repeat", type=int, default=3, help="runs of the grid; each step keeps its median time")
+    parser.add_argument("--store", default="disk", help="the store whose loads the profile's store link times: "
+                                                        "disk (a disk store in the temp folder) or a running "
+                                                        "store's URL, e.g. redis://127.0.0.1:6390/0 (the store "
+                                                        "disaggregated engines hand KV over through)")
     parser.add_argument("--trace", type=Path, default=None, help="a Mooncake trace to fit --fit-slices of")
     parser.add_argument("--fit-slices", default="", help="comma-separated validation slices (plain, sessions) to "
                                                          "replay and fit too; validation then refuses them")
@@ -46,7 +51,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if set(slices) - set(SLICES):
         raise ValueError(f"--fit-slices takes names of {', '.join(SLICES)}, not {args.fit_slices!r}")
     calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock,
-                            trace=args.trace, slices=slices)
+                            trace=args.trace, slices=slices, store=args.store)
     calibration.save(args.output)
     print(calibration.report())
     print(f"profile written to {args.output}: {calibration.model.source}")

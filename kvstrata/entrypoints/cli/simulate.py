@@ -9,6 +9,8 @@
                                                     what speculation buys: the trace with and without it
     kvstrata simulate --trace T --prefill-instances 1 --decode-instances 3 --store-cache-tokens inf \
                       --router kv_aware                          a P:D split against P+D colocated engines
+    kvstrata simulate --trace T --pd-splits 1:3,2:2,3:1 --store-cache-tokens inf --slo-ttft-ms 2000 \
+                      --slo-tpot-ms 100           several splits, colocated beside them, the one to run
 
 Profiles come from `kvstrata calibrate` (kvstrata.entrypoints.cli.calibrate). Only the command
 modules print; the simulator itself returns figures.
@@ -90,11 +92,22 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "--decode-instances decode engines (prefix_affinity over them), handing KV over "
                              "through the store; compared with as many colocated engines (--router)")
     engine.add_argument("--decode-instances", type=int, default=None, help="see --prefill-instances")
+    engine.add_argument("--pd-splits", default=None, metavar="P:D,P:D,..",
+                        help="several prefill:decode splits (e.g. 1:3,2:2,3:1), each against as many colocated "
+                             "engines; with --slo-ttft-ms / --slo-tpot-ms, the layout to run for each fleet size")
+    engine.add_argument("--slo-ttft-ms", type=float, default=None,
+                        help="a request's TTFT target: with --pd-splits, recommend the layout whose requests "
+                             "meet the SLO most often")
+    engine.add_argument("--slo-tpot-ms", type=float, default=None, help="a request's TPOT target (see --slo-ttft-ms)")
     engine.add_argument("--max-num-seqs", type=int, default=None,
                         help=f"requests running at once per engine (default {SimConfig.max_num_seqs})")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help=f"token budget of a step (default {SimConfig.max_num_batched_tokens})")
     engine.add_argument("--policy", default="fcfs", choices=POLICIES)
+    engine.add_argument("--max-tpot-ms", type=float, default=SimConfig.max_tpot_ms,
+                        help="the engine's step-time target: while requests decode, cut each step's prefill to "
+                             "what the step cost learned from the simulated steps says fits (`kvstrata serve` "
+                             "defaults to 150; default 0: no cut, as --validate runs the engine)")
     engine.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
     engine.add_argument("--store-timeout", type=float, default=SimConfig.store_timeout)
 
@@ -165,7 +178,8 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
                      instances=args.instances, router=args.router,
                      max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
-                     policy=args.policy, write_policy=args.write_policy, store_timeout=args.store_timeout,
+                     policy=args.policy, max_tpot_ms=args.max_tpot_ms, write_policy=args.write_policy,
+                     store_timeout=args.store_timeout,
                      audit=args.audit, **speculation(args)).validate()
 
 
@@ -192,7 +206,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         # Capacity planning for the machine a profile came from is a fine use: say so, do not refuse.
         print(f"note: {elsewhere}; the figures below are for that machine (`kvstrata calibrate` fits one for this)")
     base = sim_config(args, cost)
-    if args.prefill_instances is not None or args.decode_instances is not None:
+    if args.prefill_instances is not None or args.decode_instances is not None or args.pd_splits is not None:
         return run_disaggregated(args, trace, base, cost)
     if args.sweep is None and base.speculative is not None:
         return compare_speculation(args, trace, base, cost)
@@ -240,23 +254,41 @@ def compare_speculation(args: argparse.Namespace, trace, config: SimConfig, cost
 
 
 def run_disaggregated(args: argparse.Namespace, trace, base: SimConfig, cost: CostModel) -> int:
-    """A P:D split and P+D colocated engines on the same trace: TTFT and TPOT p50/p99 side by side."""
-    from kvstrata.sim.disaggregated import DisaggregatedSimulator
+    """P:D splits and colocated fleets of their sizes on the same trace: TTFT, TPOT and ITL side by side,
+    and with an SLO the layout to run (kvstrata.sim.splits)."""
+    from kvstrata.sim.splits import Slo, parse_splits, recommend, replay_layouts
 
-    if args.prefill_instances is None or args.decode_instances is None or args.sweep is not None:
-        raise ValueError("--prefill-instances and --decode-instances go together, without --sweep")
-    split, total = (args.prefill_instances, args.decode_instances), args.prefill_instances + args.decode_instances
-    disaggregated = DisaggregatedSimulator(trace, base, cost, *split).run().to_json()
-    colocated = simulate(trace, dataclasses.replace(base, instances=total), cost, f"{total} colocated").to_json()
-    report = {"disaggregated": {"prefill_instances": split[0], "decode_instances": split[1], **disaggregated},
-              "colocated": colocated, "profile": cost.source}
+    pair = (args.prefill_instances, args.decode_instances)
+    one_split = None not in pair
+    if args.sweep is not None or (pair != (None, None) and not one_split) or one_split == (args.pd_splits is not None):
+        raise ValueError("give --prefill-instances and --decode-instances together, or --pd-splits, without --sweep")
+    splits = parse_splits(args.pd_splits) if args.pd_splits is not None else [pair]
+    slo = Slo(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
+              None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000)
+    layouts = replay_layouts(trace, base, cost, splits)
+    report = {"layouts": [layout.figures(slo) for layout in layouts], "profile": cost.source}
+    if slo.given:
+        report["slo"] = dataclasses.asdict(slo)
+        report["recommended"] = {size: layout.label for size, layout in recommend(layouts, slo).items()}
     write_json(args.output_json, report)
-    print(f"{'':<16}{'TTFT p50 s':>11}{'TTFT p99 s':>11}{'TPOT p50 ms':>12}{'TPOT p99 ms':>12}{'tok/s':>9}")
-    for label, run in ((f"{split[0]}P+{split[1]}D", disaggregated), (f"{total} colocated", colocated)):
-        ttft, tpot = run["ttft_s"], run["tpot_s"]
-        print(f"{label:<16}{ttft['p50']:>11.3f}{ttft['p99']:>11.3f}{tpot['p50'] * 1000:>12.1f}"
-              f"{tpot['p99'] * 1000:>12.1f}{run['throughput_tok_s']:>9.0f}")
+    print(layouts_table(report["layouts"]))
+    if slo.given:
+        for size, label in report["recommended"].items():
+            print(f"{size} engines, SLO {slo.describe()}: run {label}")
     return 0
+
+
+def layouts_table(layouts: list[dict]) -> str:
+    """One row per layout: TTFT, TPOT and ITL percentiles, throughput, and the SLO's attainment if any."""
+    slo = "slo_attainment" in layouts[0]
+    lines = [f"{'':<14}{'TTFT p50 s':>11}{'TTFT p99 s':>11}{'TPOT p50 ms':>12}{'TPOT p99 ms':>12}"
+             f"{'ITL p99 ms':>11}{'tok/s':>9}" + (f"{'SLO met':>9}" if slo else "")]
+    for run in layouts:
+        ttft, tpot = run["ttft_s"], run["tpot_s"]
+        lines.append(f"{run['layout']:<14}{ttft['p50']:>11.3f}{ttft['p99']:>11.3f}{tpot['p50'] * 1000:>12.1f}"
+                     f"{tpot['p99'] * 1000:>12.1f}{run['itl_s']['p99'] * 1000:>11.1f}{run['throughput_tok_s']:>9.0f}"
+                     + (f"{run['slo_attainment']:>9.1%}" if slo else ""))
+    return "\n".join(lines)
 
 
 def run_validation(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """What a step costs on this machine, learned from the steps the engine runs: the time of a step as
 `base + per_prefill_token * prefill tokens + per_decode * decodes`, fitted by recursive least squares
 that forgets old steps (the host's speed moves), so the engine can keep a step with running decodes
-under a time target (`--max-tpot-ms`) by cutting its prefill.
+under a time target (`--max-tpot-ms`) by cutting its prefill. Here, beside the scheduler it limits, so
+that the simulator learns it from its simulated steps as the engine does from real ones.
 
 Why: a step carrying a 512-token prefill chunk took 0.3-0.4 s beside decodes of 0.03 s (multi-turn
 at 90% of saturation, 2-core EPYC), and every running stream waits for it: those steps made the ITL
@@ -10,7 +11,12 @@ p99. The figures: docs/design/scheduler.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+from kvstrata.core.config import SchedulerConfig
+from kvstrata.scheduler.scheduler import SchedulerOutput
 
 MIN_STEPS = 16            # observations before the fit is trusted (until then: no cut)
 # A step with decodes may always take this many times a decode-only step: under heavy load the decodes
@@ -39,36 +45,52 @@ class RecursiveFit:
 
 class StepCostModel:
     def __init__(self, forgetting: float = FORGETTING):
-        self.split = RecursiveFit(3, forgetting)     # (base s, s per prefill token, s per decode)
-        self.rows = RecursiveFit(2, forgetting)      # (base s, s per row, whatever the row)
+        self.split = RecursiveFit(3, forgetting)     # (base s, s per prefill token or draft, s per decode)
+        self.drafts = RecursiveFit(4, forgetting)    # (base s, s per prefill token, s per decode, s per draft)
         self.prefill_steps = 0                       # observations that had prefill: the slope needs them
+        self.draft_steps = 0
         self.steps = 0
 
     @property
     def theta(self) -> np.ndarray:
         return self.split.theta
 
-    def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
-        self.split.observe(np.array([1.0, prefill_tokens, decodes]), seconds)
-        self.rows.observe(np.array([1.0, prefill_tokens + decodes]), seconds)
+    def observe(self, prefill_tokens: int, decodes: int, seconds: float, drafts: int = 0) -> None:
+        self.split.observe(np.array([1.0, prefill_tokens + drafts, decodes]), seconds)
+        self.drafts.observe(np.array([1.0, prefill_tokens, decodes, drafts]), seconds)
         self.steps += 1
-        self.prefill_steps += prefill_tokens > 0
+        self.prefill_steps += prefill_tokens + drafts > 0
+        self.draft_steps += drafts > 0
 
     def draft_break_even(self, decodes: int) -> float | None:
         """The acceptance a draft token needs to pay for itself in a step of `decodes` decodes: the time
         its row adds, per decoding request, over a decode-only step's time (an accepted draft saves its
-        request one step; its row delays all of them). None while the fit is young.
+        request one step; its row delays all of them). None while the fit is young or has seen no draft.
 
-        From a fit of a step's time by its rows alone: a draft's row costs what a decode's does (the
-        same projections and logits; at batch 32 the logits of a 49k vocabulary weigh as much as the
-        layers), and a single stream's steps, all with one decode, could not tell a decode's cost from
-        the base in the split fit. A prefill row attends more keys than a draft's, which errs on the
-        side of not drafting."""
-        base, per_row = self.rows.theta
-        if self.steps < MIN_STEPS or self.prefill_steps < MIN_STEPS // 2 or per_row <= 0:
+        From its own fit: a draft row costs more than a prefill row (its logits over the vocabulary,
+        its K + 1-row attention) and, in a large batch, more than a decode's whole row (2-core Zen 5
+        EPYC, bf16, 32 decodes: ~1.5 ms against ~1.0), so the prefill rows that fill the split fit
+        would price it too low; and a single stream, all of whose steps have one decode, needs only
+        the decode-only step time the fit predicts at one decode, not base and per decode apart."""
+        base, _, per_decode, per_draft = self.drafts.theta
+        if self.steps < MIN_STEPS or self.draft_steps == 0 or per_draft <= 0:
             return None
-        step = base + per_row * max(decodes, 1)
-        return per_row * max(decodes, 1) / step if step > 0 else None
+        decoding = base + per_decode * max(decodes, 1)
+        return per_draft * max(decodes, 1) / decoding if decoding > 0 else None
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """A step that ran: its prefill rows, decodes, draft rows (beyond a decode's one) and time."""
+        prefills = [c for c in output.chunks if c.start < c.request.num_prompt_tokens]
+        drafts = sum(len(c.draft_token_ids) for c in output.chunks)
+        self.observe(sum(c.num_tokens for c in prefills), len(output.chunks) - len(prefills), seconds, drafts)
+
+    def limiter(self, config: SchedulerConfig) -> Callable[[int, int], int] | None:
+        """`Scheduler.schedule`'s prefill_limit under `config.max_tpot_ms` (None: no target, no cut)."""
+        if not config.max_tpot_ms:
+            return None
+        return lambda decodes, waiting: self.prefill_limit(config.max_tpot_ms / 1000, decodes,
+                                                           config.min_prefill_tokens,
+                                                           config.max_num_batched_tokens, waiting)
 
     def prefill_limit(self, target_s: float, decodes: int, floor: int, ceiling: int, waiting: int = 0) -> int:
         """Most prefill tokens a step with `decodes` decodes can take within `target_s`, or within STRETCH

@@ -2,7 +2,7 @@
 
 import random
 
-from kvstrata.engine.step_cost import MIN_STEPS, QUEUE_RATIO, STRETCH, StepCostModel
+from kvstrata.scheduler.step_cost import MIN_STEPS, QUEUE_RATIO, STRETCH, StepCostModel
 
 
 def trained(base=0.02, per_token=0.0006, per_decode=0.001, steps=200, seed=0):
@@ -60,10 +60,18 @@ def test_a_young_fit_does_not_cut():
 
 
 def test_a_draft_pays_above_its_rows_share_of_a_decode_step_per_decoding_request():
-    model = trained(per_token=0.001, per_decode=0.001)              # a row costs what a row costs
-    assert abs(model.draft_break_even(1) - 0.001 / (0.02 + 0.001)) < 0.01           # one stream: ~5%
-    assert abs(model.draft_break_even(32) - 0.032 / (0.02 + 0.032)) < 0.03          # a batch: ~62%
+    """A draft row priced by its own slope (here 1.5 ms, dearer than a decode's 1 ms and a prefill
+    token's 0.6), over the decode-only step the fit predicts at that many decodes."""
+    model, rng = StepCostModel(), random.Random(0)
+    for _ in range(200):
+        prefill, decodes = rng.choice([0, 0, rng.randrange(1, 512)]), rng.randrange(1, 32)
+        drafts = rng.choice([0, 4 * rng.randrange(0, decodes + 1)])
+        model.observe(prefill, decodes, 0.02 + 0.0006 * prefill + 0.001 * decodes + 0.0015 * drafts
+                      + rng.gauss(0, 0.002), drafts)
+    assert abs(model.draft_break_even(1) - 0.0015 / (0.02 + 0.001)) < 0.01         # one stream: ~7%
+    assert abs(model.draft_break_even(32) - 0.048 / (0.02 + 0.032)) < 0.05         # a batch: ~92%
     assert model.draft_break_even(64) > model.draft_break_even(32) > model.draft_break_even(1)
+    assert trained().draft_break_even(1) is None               # no draft seen: the scheduler's default
     young = StepCostModel()
-    young.observe(100, 1, 0.1)
-    assert young.draft_break_even(1) is None                     # until the fit is trusted: the default
+    young.observe(100, 1, 0.1, drafts=4)
+    assert young.draft_break_even(1) is None                   # until the fit is trusted: the default
