@@ -44,7 +44,7 @@ from kvstrata.core.config import EngineConfig
 from kvstrata.core.machine import machine
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.step_cost import MIN_STEPS
+from kvstrata.scheduler.step_cost import MIN_STEPS
 from kvstrata.model.loader import default_model_path
 
 LLAMACPP = ROOT / "benchmarks" / "peers" / "venvs" / "llamacpp" / "bin" / "python"

@@ -32,7 +32,7 @@ PREDICTION_NGRAM = (2, 8)     # n-gram lengths that re-align the output with a p
 PREDICTION_LOOKAHEAD = 8      # drafts per step from a prediction without --speculative-config: most are accepted
 # Whether drafts pay. A draft token adds a row to the step every running request waits for, and saves its
 # request a step when accepted: it pays when its chance of acceptance beats `break_even`, the share of a
-# decode step's time per decoding request one more row costs (kvstrata.engine.step_cost; a single stream,
+# decode step's time per decoding request one more row costs (kvstrata.scheduler.step_cost; a single stream,
 # bf16, 2-core Zen 5 EPYC: 0.8 ms a row against an 18 ms step). Until the engine has measured its steps,
 # DEFAULT_BREAK_EVEN: one fp32 stream rewriting code (K = 4) ran 1.03x plain decoding at 26% accepted.
 DEFAULT_BREAK_EVEN = 0.25

@@ -48,7 +48,7 @@ class StepCostModel:
         self.split = RecursiveFit(3, forgetting)     # (base s, s per prefill token or draft, s per decode)
         self.drafts = RecursiveFit(4, forgetting)    # (base s, s per prefill token, s per decode, s per draft)
         self.prefill_steps = 0                       # observations that had prefill: the slope needs them
-        self.draft_steps = 0
+        self.per_draft = 0.0                         # s per draft row, as of the last step that had drafts
         self.steps = 0
 
     @property
@@ -60,23 +60,27 @@ class StepCostModel:
         self.drafts.observe(np.array([1.0, prefill_tokens, decodes, drafts]), seconds)
         self.steps += 1
         self.prefill_steps += prefill_tokens + drafts > 0
-        self.draft_steps += drafts > 0
+        if drafts and self.drafts.theta[3] > 0:      # kept while no step drafts: the fit's slope then drifts
+            self.per_draft = float(self.drafts.theta[3])
 
     def draft_break_even(self, decodes: int) -> float | None:
         """The acceptance a draft token needs to pay for itself in a step of `decodes` decodes: the time
         its row adds, per decoding request, over a decode-only step's time (an accepted draft saves its
         request one step; its row delays all of them). None while the fit is young or has seen no draft.
+        The draft slope is the one learned at the last step with drafts: once drafts stop paying no step
+        has any, and the fit's slope, no longer observed, drifts (to zero or below, which would bring
+        every request's drafts back at once).
 
         From its own fit: a draft row costs more than a prefill row (its logits over the vocabulary,
         its K + 1-row attention) and, in a large batch, more than a decode's whole row (2-core Zen 5
         EPYC, bf16, 32 decodes: ~1.5 ms against ~1.0), so the prefill rows that fill the split fit
         would price it too low; and a single stream, all of whose steps have one decode, needs only
         the decode-only step time the fit predicts at one decode, not base and per decode apart."""
-        base, _, per_decode, per_draft = self.drafts.theta
-        if self.steps < MIN_STEPS or self.draft_steps == 0 or per_draft <= 0:
+        base, _, per_decode, _ = self.drafts.theta
+        if self.steps < MIN_STEPS or self.per_draft <= 0:
             return None
         decoding = base + per_decode * max(decodes, 1)
-        return per_draft * max(decodes, 1) / decoding if decoding > 0 else None
+        return self.per_draft * max(decodes, 1) / decoding if decoding > 0 else None
 
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
         """A step that ran: its prefill rows, decodes, draft rows (beyond a decode's one) and time."""
