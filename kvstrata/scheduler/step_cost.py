@@ -46,7 +46,7 @@ class RecursiveFit:
 class StepCostModel:
     def __init__(self, forgetting: float = FORGETTING):
         self.split = RecursiveFit(3, forgetting)     # (base s, s per prefill token or draft, s per decode)
-        self.drafts = RecursiveFit(4, forgetting)    # (base s, s per prefill token, s per decode, s per draft)
+        self.drafts = RecursiveFit(3, forgetting)    # decode steps only: (base s, s per decode, s per draft)
         self.prefill_steps = 0                       # observations that had prefill: the slope needs them
         self.per_draft = 0.0                         # s per draft row, as of the last step that had drafts
         self.steps = 0
@@ -57,11 +57,13 @@ class StepCostModel:
 
     def observe(self, prefill_tokens: int, decodes: int, seconds: float, drafts: int = 0) -> None:
         self.split.observe(np.array([1.0, prefill_tokens + drafts, decodes]), seconds)
-        self.drafts.observe(np.array([1.0, prefill_tokens, decodes, drafts]), seconds)
         self.steps += 1
         self.prefill_steps += prefill_tokens + drafts > 0
-        if drafts and self.drafts.theta[3] > 0:      # kept while no step drafts: the fit's slope then drifts
-            self.per_draft = float(self.drafts.theta[3])
+        if prefill_tokens:              # a prefill chunk's time varies by more than a step's drafts cost
+            return
+        self.drafts.observe(np.array([1.0, decodes, drafts]), seconds)
+        if drafts and self.drafts.theta[2] > 0:      # kept while no step drafts: the fit's slope then drifts
+            self.per_draft = float(self.drafts.theta[2])
 
     def draft_break_even(self, decodes: int) -> float | None:
         """The acceptance a draft token needs to pay for itself in a step of `decodes` decodes: the time
@@ -71,12 +73,14 @@ class StepCostModel:
         has any, and the fit's slope, no longer observed, drifts (to zero or below, which would bring
         every request's drafts back at once).
 
-        From its own fit: a draft row costs more than a prefill row (its logits over the vocabulary,
-        its K + 1-row attention) and, in a large batch, more than a decode's whole row (2-core Zen 5
-        EPYC, bf16, 32 decodes: ~1.5 ms against ~1.0), so the prefill rows that fill the split fit
-        would price it too low; and a single stream, all of whose steps have one decode, needs only
-        the decode-only step time the fit predicts at one decode, not base and per decode apart."""
-        base, _, per_decode, _ = self.drafts.theta
+        From its own fit over the steps without prefill: a draft row costs more than a prefill row (its
+        logits over the vocabulary, its K + 1-row attention) and, in a large batch, more than a decode's
+        whole row (2-core Zen 5 EPYC, bf16, 32 decodes: ~1.5 ms against ~1.0), so the prefill rows that
+        fill the split fit would price it too low, and a prefill chunk's time varies by more than a
+        step's drafts cost (with them in, the slope came out at a tenth of its size in one run). A
+        single stream, all of whose steps have one decode, needs only the decode-only step time the
+        fit predicts at one decode, not base and per decode apart."""
+        base, per_decode, _ = self.drafts.theta
         if self.steps < MIN_STEPS or self.per_draft <= 0:
             return None
         decoding = base + per_decode * max(decodes, 1)
