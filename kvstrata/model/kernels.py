@@ -40,8 +40,9 @@ FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
 
 
 class PagedDecode:
-    """`kvs_paged_decode` (a few query rows per sequence: decodes) and `kvs_paged_rows` (many rows per
-    block table: prefill chunks) with their arguments checked. See the C++ source for what they compute;
+    """`kvs_paged_decode` (a few query rows per sequence: decodes) and `kvs_paged_rows` (rows per
+    block table: prefill chunks, and speculative verifications, which it reads in place as decodes)
+    with their arguments checked. See the C++ source for what they compute;
     a row gets the same bits from either."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:

@@ -107,7 +107,8 @@ def test_rows_equal_float64_attention_and_the_decode_path_bit_for_bit(kernel, dt
     """Prefill chunks through the many-rows path: within float32 rounding of float64 attention, and each
     row bit-identical to what the decode kernel gives it, so a token's K/V do not depend on the path
     that computed them. Runs of 4, 3 and 1 rows (G = 3 and 7 at the diagonal, G = 1 and 16) and head
-    dim 16 (one vector per row)."""
+    dim 16 (one vector per row). The 5-position segment is read in place (a verification's size), the
+    others through prepared tiles."""
     cases = 0
     for bs, (g, d) in itertools.product((1, 4, 16, 32), ((1, 16), (3, 64), (7, 32), (16, 16), (2, 128))):
         q, kv, tables, starts, lens = rows_case(dtype, bs, g, d, seed=cases)
