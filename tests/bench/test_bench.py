@@ -131,6 +131,7 @@ def test_bench_serve_against_a_live_server(smollm2, tmp_path, capsys):
             assert -0.005 < parts["outside"] < slow["e2el"] and slow["timeline"]["received"] is not None
 
 
+@pytest.mark.slow     # 24 s: two engines' full offline cases
 def test_bench_offline(tmp_path, capsys):
     from kvstrata.bench.offline import make_cases
 

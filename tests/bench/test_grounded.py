@@ -82,6 +82,7 @@ def _offline(tmp_path, name: str, *flags: str) -> dict:
     return json.loads(figures.read_text())["cases"][0]
 
 
+@pytest.mark.slow     # 21 s: the grounded cases with and without drafts
 def test_bench_offline_reports_acceptance_and_keeps_greedy_outputs(tmp_path, capsys):
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
     plain = _offline(tmp_path, "plain", "--workload", "quote-summary")

@@ -19,7 +19,7 @@ def cached_tokens(base: str) -> tuple[int, int]:
     return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.mark.parametrize("stop", ["sigterm", "kill"])
+@pytest.mark.parametrize("stop", [pytest.param("sigterm", marks=pytest.mark.slow), "kill"])   # 22 s each
 def test_cache_survives_restart(tmp_path, stop):
     flags = (*MAKE_SERVE_FLAGS, "--store-path", str(tmp_path / "store"))
     proc, base = start_server_process(*flags)

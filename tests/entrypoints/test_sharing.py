@@ -5,6 +5,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
 from tests.entrypoints.server_helpers import start_server_process
 from tests.kvcache.stores.store_helpers import redis_server  # noqa: F401  (fixture)
@@ -54,6 +55,7 @@ def shared_store_test(store: str, path: str | None) -> None:
         stop(first)
 
 
+@pytest.mark.slow     # 17 s; sharing through Redis stays in the fast suite
 def test_two_servers_share_a_disk_store(tmp_path):
     shared_store_test("disk", str(tmp_path))
 

@@ -76,6 +76,7 @@ def _stream(base: str, text: str) -> tuple[int, str]:
         return reply.status_code, "".join(reply.iter_text())
 
 
+@pytest.mark.slow     # 35 s: an engine restarted; a dying decode engine (test_pd_router) and a dead one (below) stay fast
 def test_engine_killed_mid_run_then_back(smollm2, tmp_path):
     """A killed engine is taken out; its requests go to the other one; every request ends; it comes back."""
     from tests.entrypoints.server_helpers import free_port, start_server_process
