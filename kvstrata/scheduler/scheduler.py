@@ -230,7 +230,8 @@ class Scheduler:
             running = len(chunks)                  # the running requests' chunks; admitted ones follow
             allowed = min(budget, prefill_left)
             budget -= allowed - self._admit(allowed, chunks)
-            if self.disable_by_batch_size is None or len(self.running) < self.disable_by_batch_size:
+            prefilling = any(not chunk.sample or chunk.num_tokens > 1 for chunk in chunks)
+            if not prefilling and (self.disable_by_batch_size is None or len(self.running) < self.disable_by_batch_size):
                 self._add_drafts(chunks[:running], budget, chunks)
         self.tiers.on_step(nonempty=bool(chunks))
         return SchedulerOutput(chunks, preempted)
@@ -239,7 +240,10 @@ class Scheduler:
         """Give the decodes among the `running` chunks (the head of `chunks`) of requests that speculate
         draft tokens to verify, best ranked first, while the budget lasts. Each takes its draft slots in
         one all-or-nothing grow or goes without: drafts come after every running request's own token
-        and every prompt admitted (a draft delays no first token), and never preempt."""
+        and every prompt admitted, and never preempt. Called only for steps without a prompt chunk: a
+        draft row would lengthen the step that computes someone's first token, and while prompts are
+        being computed the engine is busy anyway (at batch 32 the drafts of the ramp, where the break-even
+        of a few decodes is low, were most of speculation's loss)."""
         for index, chunk in enumerate(running):
             request = chunk.request
             if budget <= 0:

@@ -89,6 +89,24 @@ def test_drafts_take_the_budget_waiting_prompts_leave_and_never_pass_max_tokens(
     assert drafted == [3, 2] and a.num_output_tokens == 9
 
 
+def test_no_drafts_in_a_step_that_computes_a_prompt():
+    """Budget to spare, but a prompt chunk in the step: its first token is not delayed by draft rows.
+    The next step, decodes only, has them."""
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=64)
+    scheduler.proposer = OracleProposer(lambda request, k: None)
+    runner = FakeRunner(64, 4)
+    a, b = speculating(8, max_tokens=9)[:2]
+    scheduler.add_request(a)
+    step(scheduler, runner)
+    scheduler.add_request(b)
+    output = step(scheduler, runner)
+    assert [(c.request, c.num_tokens > 1, c.draft_token_ids) for c in output.chunks] == [(a, False, ()), (b, True, ())]
+    output = step(scheduler, runner)
+    assert all(c.draft_token_ids for c in output.chunks)
+    drive(scheduler, runner)
+    at_rest(scheduler)
+
+
 @pytest.mark.parametrize("accepted", range(5))
 def test_rejected_drafts_give_back_their_slots_whole(accepted):
     scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=16)
@@ -218,13 +236,15 @@ def test_drafts_that_do_not_pay_pause_and_probe_again_later():
         outputs = drive(scheduler, FakeRunner(64, 4), requests=made)
     at_rest(scheduler)
     assert outputs == reference
-    for request in (made[0], made[3]):           # drafts from its second token on, one token per rejection
-        again = JUDGED_AFTER + FIRST_PAUSE           # paused at its last judged verification
-        assert verified[request.request_id] == [*range(1, 1 + JUDGED_AFTER), *range(again, again + JUDGED_AFTER)]
+    for request in (made[0], made[3]):           # one token per rejection, from its first step without a prompt
+        first = verified[request.request_id][0]      # chunk in it (others' prompts filled the budget before)
+        again = first - 1 + JUDGED_AFTER + FIRST_PAUSE   # paused at its last judged verification
+        assert verified[request.request_id] == [*range(first, first + JUDGED_AFTER),
+                                                *range(again, again + JUDGED_AFTER)]
         assert request.draft_history.paused_until == again + JUDGED_AFTER - 1 + 2 * FIRST_PAUSE
         assert request.num_accepted_tokens == 0
     assert made[1].draft_history.paused_until == 0 and made[1].num_accepted_tokens == made[1].num_draft_tokens > 0
-    assert made[2].draft_history.paused_until == 0 and verified["r2"] == list(range(1, 47)) and made[2].num_accepted_tokens == 0
+    assert made[2].draft_history.paused_until == 0 and verified["r2"] == list(range(verified["r2"][0], 47)) and made[2].num_accepted_tokens == 0
 
 
 @pytest.mark.parametrize("break_even, drafting", [(0.0, True), (MAX_BREAK_EVEN + 0.01, False)])
