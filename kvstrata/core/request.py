@@ -49,6 +49,7 @@ class DraftHistory:
     verifications: int = 0         # of its drafts since it last paused
     drafted: float = 0.0           # draft tokens verified lately
     accepted: float = 0.0          # of them, accepted
+    rejections: float = 0.0        # verifications that ended at a rejected draft, lately
     paused_until: int = 0          # no drafts before the request has this many output tokens
     next_pause: int = 0            # output tokens the next pause lasts (0: the first pause's)
 

@@ -14,11 +14,12 @@ such occurrence, by n-gram lookup in the request's prompt and output (an edit's 
 
 Proposals are pure functions of token lists: a proposal changes nothing, and a wrong one only costs
 its verification. `judge` keeps each request's recent acceptance, and pauses its drafts while they do
-not pay for their rows.
+not pay for their rows; `worth_drafting` stops a step's drafts at the first that would not.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,24 @@ def may_draft(request: Request) -> bool:
     return request.num_output_tokens >= request.draft_history.paused_until
 
 
+def worth_drafting(request: Request, break_even: float, most: int) -> int:
+    """How many of up to `most` drafts pay. The j-th draft of a step is accepted only if the j - 1 before
+    it were: with each accepted with the request's recent chance a (accepted drafts per accepted or
+    rejecting one), the j-th pays while a^j > `break_even`. So a stream (break-even ~0.05) drafts its K,
+    while at batch 30 (~0.48) a request accepting 80% drafts 3 (at batch 32, K = 8 ran 0.96x plain
+    decoding where K = 4 ran 1.07x). Predictions and requests not yet judged draft `most`."""
+    history = request.draft_history
+    if request.prediction_token_ids or history.verifications < JUDGED_AFTER or break_even <= 0.0:
+        return most
+    tries = history.accepted + history.rejections
+    chance = history.accepted / tries if tries > 0 else 0.0
+    if chance >= 1.0:
+        return most
+    if chance <= break_even:
+        return 0
+    return min(most, int(math.log(break_even) / math.log(chance)))
+
+
 def judge(request: Request, drafted: int, accepted: int, break_even: float) -> None:
     """Record one verification; pause a request whose recent drafts were accepted less than
     `break_even` of the time. A prediction is never paused: the client sent it, and its drafts
@@ -60,6 +79,7 @@ def judge(request: Request, drafted: int, accepted: int, break_even: float) -> N
     history.verifications += 1
     history.drafted = history.drafted * RECENT + drafted
     history.accepted = history.accepted * RECENT + accepted
+    history.rejections = history.rejections * RECENT + (accepted < drafted)
     if request.prediction_token_ids or history.verifications < JUDGED_AFTER:
         return
     if history.accepted >= break_even * history.drafted:
@@ -68,7 +88,7 @@ def judge(request: Request, drafted: int, accepted: int, break_even: float) -> N
     pause = history.next_pause or FIRST_PAUSE
     history.paused_until = request.num_output_tokens + pause
     history.next_pause = 2 * pause
-    history.drafted = history.accepted = 0.0
+    history.drafted = history.accepted = history.rejections = 0.0
     history.verifications = 0
 
 

@@ -47,7 +47,14 @@ from kvstrata.core.config import SchedulerConfig, SpeculativeConfig
 from kvstrata.core.errors import RequestRejected
 from kvstrata.core.request import Request, RequestStatus
 from kvstrata.kvcache.tiers import TierManager
-from kvstrata.scheduler.drafts import DEFAULT_BREAK_EVEN, MAX_BREAK_EVEN, DraftProposer, judge, may_draft
+from kvstrata.scheduler.drafts import (
+    DEFAULT_BREAK_EVEN,
+    MAX_BREAK_EVEN,
+    DraftProposer,
+    judge,
+    may_draft,
+    worth_drafting,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -248,12 +255,13 @@ class Scheduler:
             request = chunk.request
             if budget <= 0:
                 break
+            break_even = self._break_even_of(request)
             if not request.num_lookahead_tokens or chunk.num_tokens != 1 or not chunk.sample or chunk.forks \
-                    or not may_draft(request) or self._break_even_of(request) > MAX_BREAK_EVEN:
+                    or not may_draft(request) or break_even > MAX_BREAK_EVEN:
                 continue
-            room = min(request.num_lookahead_tokens, budget,          # and never more than it may still
-                       request.sampling.max_tokens - request.num_output_tokens - 1,   # sample after the
-                       self.config.max_model_len - request.num_tokens - 1)            # token it samples anyway
+            room = min(worth_drafting(request, break_even, request.num_lookahead_tokens), budget,   # and never
+                       request.sampling.max_tokens - request.num_output_tokens - 1,   # more than it may still sample
+                       self.config.max_model_len - request.num_tokens - 1)            # after the token it samples anyway
             drafts = self.proposer.propose(request, room) if room > 0 else []
             if drafts and self.tiers.grow(request, 1, len(drafts)):
                 chunks[index] = self._chunk(request, 1, drafts)

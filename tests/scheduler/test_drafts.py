@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.scheduler.drafts import DraftProposer, ngram_draft, prediction_draft
+from kvstrata.scheduler.drafts import JUDGED_AFTER, DraftProposer, judge, ngram_draft, prediction_draft, worth_drafting
 from tests.kvcache.fakes import make_request
 
 
@@ -56,3 +56,20 @@ def test_a_prediction_left_behind_drafts_from_the_requests_own_tokens():
     assert DraftProposer().propose(request, 4) == [9, prediction[2], prediction[3], 50]
     request.append_output(9)
     assert DraftProposer().propose(request, 2) == [prediction[2], prediction[3]]   # what followed `7 8 9` before
+
+
+def test_drafts_stop_at_the_first_that_would_not_pay():
+    """The j-th draft pays while a^j beats the break-even, a the request's recent chance per draft:
+    a stream drafts its K, a large batch a few; unjudged requests and predictions draft all."""
+    request = make_request("r", [1, 2, 3, 4])
+    assert worth_drafting(request, 0.5, 8) == 8                      # not judged yet
+    for _ in range(JUDGED_AFTER):
+        judge(request, 8, 4, 0.05)                                  # 4 accepted, then a rejection: a = 0.8
+    assert worth_drafting(request, 0.05, 8) == 8                    # 0.8^8 = 0.17 > 0.05
+    assert worth_drafting(request, 0.48, 8) == 3                    # 0.8^3 = 0.51, 0.8^4 = 0.41
+    assert worth_drafting(request, 0.9, 8) == 0
+    for _ in range(10):
+        judge(request, 2, 2, 0.05)                                  # all accepted lately: a -> 0.96
+    assert worth_drafting(request, 0.48, 8) > 3
+    request.prediction_token_ids = (5, 6)
+    assert worth_drafting(request, 0.9, 8) == 8
