@@ -10,7 +10,8 @@ Single stream (one prompt at a time), greedy, exactly --output-len tokens (EOS i
     quote-summary    the same, without predictions
     chat             little to quote: off against ngram (speculation must cost nothing)
 Batch: --batch prompts of code-edit at once, off against each ngram configuration (and the last with
---disable-by-batch-size, if given).
+--disable-by-batch-size, if given), --batch-repeats batches of their own prompts, the configurations
+taking turns on each.
 
 kvstrata runs in bf16 with --batch-invariant, so speculation cannot change a greedy token (the run
 checks it: every repeat's outputs must hash alike with and without it). Its configurations are loaded
@@ -133,7 +134,7 @@ def make_cases(engine: LLMEngine, args: argparse.Namespace) -> list[OfflineCase]
 
     edit = case("code-edit", 1, args.repeats)
     return [edit, case("code-edit-predicted", 1, args.repeats, edit.name), case("quote-summary", 1, args.repeats),
-            case("chat", 1, args.repeats), case("code-edit", args.batch, 1)]
+            case("chat", 1, args.repeats), case("code-edit", args.batch, args.batch_repeats)]
 
 
 def table(figures: list[Figures]) -> str:
@@ -162,11 +163,14 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=4, help="prompts per single-stream case (default: 4)")
     parser.add_argument("--batch", type=int, default=32, help="prompts at once in the batch case (default: 32)")
+    parser.add_argument("--batch-repeats", type=int, default=3,
+                        help="batches of the batch case, the configurations taking turns (default: 3; one batch's "
+                             "time moves by 10%% between identical runs on a shared 2-core host)")
     parser.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="kvstrata only")
     parser.add_argument("--output", default=None, help="folder of the results (default: benchmarks/results/spec-TIME)")
     args = parser.parse_args()
     if args.quick:
-        args.output_len, args.repeats, args.batch = 24, 1, 4
+        args.output_len, args.repeats, args.batch, args.batch_repeats = 24, 1, 4, 1
     out = Path(args.output or ROOT / "benchmarks" / "results" / f"spec-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     ngrams = ngram_configs(args.ngram, None)
