@@ -33,7 +33,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvstrata.core.disconnects import ClientGone, unless_disconnected
 from kvstrata.router.fleet import Fleet
-from kvstrata.router.forwarding import CLIENT_GONE, forward, forwarded_headers
+from kvstrata.router.forwarding import CLIENT_GONE, forward, forwarded_headers, read_body
 from kvstrata.router.policies import NoEngineAvailable, RoutedPrompt
 
 logger = logging.getLogger(__name__)
@@ -43,11 +43,7 @@ NOT_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "max_completion_tok
 
 
 async def route_pd(fleet: Fleet, request: Request, path: str) -> Response:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = None
+    raw, body = await read_body(request)
     prompt = fleet.routed_prompt(path, body)
     metrics = fleet.metrics
     try:

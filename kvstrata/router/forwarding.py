@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import Request
@@ -31,6 +32,16 @@ def error(status: int, message: str, code: str) -> JSONResponse:
 def error_event(message: str) -> bytes:
     body = {"error": {"message": message, "type": "internal_error", "param": None, "code": "engine_failed"}}
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def read_body(request: Request) -> tuple[bytes, Any]:
+    """The client's body as it came (forwarded byte for byte) and parsed (None if it is not JSON: the
+    engine answers that with its own error)."""
+    raw = await request.body()
+    try:
+        return raw, json.loads(raw)
+    except ValueError:
+        return raw, None
 
 
 def forwarded_headers(request: Request) -> dict[str, str]:

@@ -19,7 +19,6 @@ policy predicted its caches would cover, and the handoffs of a disaggregated fle
 from __future__ import annotations
 
 import contextlib
-import json
 
 import httpx
 from fastapi import FastAPI, Request
@@ -29,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvstrata.core.disconnects import ClientGone
 from kvstrata.router.disaggregated import route_pd
 from kvstrata.router.fleet import Fleet
-from kvstrata.router.forwarding import CLIENT_GONE, error, forward, forwarded_headers
+from kvstrata.router.forwarding import CLIENT_GONE, error, forward, forwarded_headers, read_body
 
 
 def create_router_app(fleet: Fleet) -> FastAPI:
@@ -86,11 +85,7 @@ async def _forward_get(fleet: Fleet, request: Request, path: str) -> Response:
 
 async def _route(fleet: Fleet, request: Request, path: str) -> Response:
     """Colocated: the whole request to the policy's engine (or, if that one is down, the next choice)."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = None
+    raw, body = await read_body(request)
     try:
         return await forward(fleet, request, path, raw, fleet.routed_prompt(path, body), fleet.colocated)
     except ClientGone:
