@@ -307,3 +307,25 @@ def test_a_request_passed_over_still_waits_when_a_later_commit_raises(monkeypatc
     monkeypatch.undo()
     while s.has_unfinished:
         step(s, r)
+
+
+def test_a_short_prompt_behind_a_long_one_starts_at_once_when_nothing_decodes():
+    """No decodes in the step (a prefill engine): a prompt longer than a step leaves half of each step to
+    the prompts waiting for a seat, so a short one starts in the next step instead of after all of it;
+    prompts of a step or less keep their order; the outputs are unchanged."""
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=8, max_model_len=64, prefix_caching=False)
+    runner = FakeRunner(64, 4)
+    long, short = make_request("long", list(range(100, 140)), max_tokens=1), make_request("short", [7, 8, 9], max_tokens=1)
+    scheduler.add_request(long)
+    assert [(c.request, c.num_tokens) for c in step(scheduler, runner).chunks] == [(long, 8)]
+    scheduler.add_request(short)
+    assert [(c.request, c.num_tokens) for c in step(scheduler, runner).chunks] == [(long, 4), (short, 3)]
+    assert short.is_finished and not long.is_finished
+    assert [(c.request, c.num_tokens) for c in step(scheduler, runner).chunks] == [(long, 8)]   # nobody waits
+    drive(scheduler, runner)
+    assert long.is_finished
+    first, second = make_request("a", list(range(200, 206)), max_tokens=1), make_request("b", [1, 2, 3], max_tokens=1)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    assert [(c.request, c.num_tokens) for c in step(scheduler, runner).chunks] == [(first, 6), (second, 2)]
+    scheduler.audit()
