@@ -48,7 +48,7 @@ def _two_engines(stack: ExitStack, smollm2, store_path) -> list[str]:
                                                threads=1))[0] for _ in range(2)]
 
 
-@pytest.mark.parametrize("policy", ["kv_aware", "round_robin"])
+@pytest.mark.parametrize("policy", ["kv_aware", pytest.param("round_robin", marks=pytest.mark.slow)])   # the contrast: 8-16 s
 def test_kv_aware_keeps_conversations_on_their_engine(smollm2, tmp_path, policy):
     with ExitStack() as stack:
         engines = _two_engines(stack, smollm2, tmp_path / "store")
