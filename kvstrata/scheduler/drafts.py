@@ -40,7 +40,8 @@ DEFAULT_BREAK_EVEN = 0.25
 # No drafts at all in a step whose break-even is above this (a large batch: a 2-core Zen 5 EPYC's bf16
 # step of 32 decodes breaks even at ~0.75): few requests' drafts are accepted that often, and the probes
 # of requests pausing after failed judgements would cost every request more than they find.
-MAX_BREAK_EVEN = 0.5
+MAX_BREAK_EVEN = 0.5          # (a prediction drafts whatever the step's break-even: the client sent it, and one
+                              # noisy fit above 0.5 on a single stream cost a benchmark run 220 -> 372 steps)
 RECENT = 0.75                 # weight of a request's earlier drafts at each verification: judged on its last few
 JUDGED_AFTER = 3              # verifications before a request's drafts are judged (and again after a pause)
 FIRST_PAUSE = 32              # output tokens a request that failed the judgement goes without drafts; each

@@ -266,7 +266,7 @@ class Scheduler:
                 break
             break_even = self._break_even_of(request)
             if not request.num_lookahead_tokens or chunk.num_tokens != 1 or not chunk.sample or chunk.forks \
-                    or not may_draft(request) or break_even > MAX_BREAK_EVEN:
+                    or not may_draft(request) or (break_even > MAX_BREAK_EVEN and not request.prediction_token_ids):
                 continue
             room = min(worth_drafting(request, break_even, request.num_lookahead_tokens), budget,   # and never
                        request.sampling.max_tokens - request.num_output_tokens - 1,   # more than it may still sample

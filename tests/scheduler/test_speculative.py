@@ -250,15 +250,20 @@ def test_drafts_that_do_not_pay_pause_and_probe_again_later():
 @pytest.mark.parametrize("break_even, drafting", [(0.0, True), (MAX_BREAK_EVEN + 0.01, False)])
 def test_the_engines_break_even_decides_whether_drafts_pay(break_even, drafting):
     """At a break-even of 0 a draft always pays (never paused, however often rejected); above
-    MAX_BREAK_EVEN (a large batch) no step drafts at all."""
+    MAX_BREAK_EVEN (a large batch) no step drafts at all, but a request with a prediction still does
+    (the client sent it)."""
     reference, _, _ = run(make_scheduler(num_blocks=64), 0, max_tokens=40)
     scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=24)
     scheduler.proposer = OracleProposer(lambda request, k: 0)
     scheduler.schedule = functools.partial(scheduler.schedule, break_even=lambda decodes: break_even)
     made = speculating(4, max_tokens=40)
+    made[3].prediction_token_ids = (1, 2, 3)
     outputs = drive(scheduler, FakeRunner(64, 4), requests=made)
     at_rest(scheduler)
     assert outputs == reference
     for request in made:
         assert request.draft_history.paused_until == 0 and request.num_accepted_tokens == 0
-        assert request.num_draft_tokens > 3 * 36 if drafting else request.num_draft_tokens == 0
+        if drafting or request.prediction_token_ids:
+            assert request.num_draft_tokens > 3 * 36
+        else:
+            assert request.num_draft_tokens == 0
