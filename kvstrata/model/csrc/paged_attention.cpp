@@ -177,6 +177,31 @@ INLINE void rows(const float* q, float* acc, float* m, float* l, const T* kf, co
     add_pv<R>(acc, p, vf, lo, hi, c, d);
 }
 
+// Where tile `tile`'s K and V rows (keys [tile, tile + W) of a sequence with `end` keys) are read: in place
+// when the tile lies in one block, else copied row by row into kbuf / vbuf (keys past `end` zeroed).
+template <typename T>
+INLINE void tile_keys_of(const T* kp, const T* vp, const int64_t* table, int64_t tile, int64_t end, int bs, int d,
+                         T* kbuf, T* vbuf, const T*& kf, const T*& vf) {
+    if (bs % W == 0) {                                   // the tile lies in one block: rows in a run
+        const int64_t row = table[tile / bs] * bs + tile % bs;
+        kf = kp + row * d;
+        vf = vp + row * d;
+        return;
+    }
+    for (int j = 0; j < W; ++j) {                        // small blocks: copy the tile's keys row by row
+        const int64_t key = tile + j, row = key < end ? table[key / bs] * bs + key % bs : -1;
+        if (row < 0) {
+            std::memset(kbuf + j * d, 0, d * sizeof(T));
+            std::memset(vbuf + j * d, 0, d * sizeof(T));
+        } else {
+            std::memcpy(kbuf + j * d, kp + row * d, d * sizeof(T));
+            std::memcpy(vbuf + j * d, vp + row * d, d * sizeof(T));
+        }
+    }
+    kf = kbuf;
+    vf = vbuf;
+}
+
 struct Item {
     const float* q;          // (G, D), unscaled
     const void* k;           // this kv head's K plane: (num_blocks, bs, D)
@@ -200,8 +225,6 @@ INLINE void attend_item(const Item& it, int g, int d, int bs, float scale) {
     for (int64_t tile = it.first / W * W; tile < it.len; tile += W) {
         const int lo = static_cast<int>(tile < it.first ? it.first - tile : 0);
         const int hi = static_cast<int>(it.len - tile < W ? it.len - tile : W);
-        const T* kf = kbuf;
-        const T* vf = vbuf;
         if (bs % W == 0 && tile + W < it.len) {          // the next tile's block: from memory, not cache
             const int64_t next = it.table[(tile + W) / bs] * bs + (tile + W) % bs;
             for (int b = 0; b < W * d * static_cast<int>(sizeof(T)); b += 64) {
@@ -209,22 +232,8 @@ INLINE void attend_item(const Item& it, int g, int d, int bs, float scale) {
                 __builtin_prefetch(reinterpret_cast<const char*>(vp + next * d) + b);
             }
         }
-        if (bs % W == 0) {                               // the tile lies in one block: rows in a run
-            const int64_t row = it.table[tile / bs] * bs + tile % bs;
-            kf = kp + row * d;
-            vf = vp + row * d;
-        } else {                                         // small blocks: copy the tile's keys row by row
-            for (int j = 0; j < W; ++j) {
-                const int64_t key = tile + j, row = key < it.len ? it.table[key / bs] * bs + key % bs : -1;
-                if (row < 0) {
-                    std::memset(kbuf + j * d, 0, d * sizeof(T));
-                    std::memset(vbuf + j * d, 0, d * sizeof(T));
-                } else {
-                    std::memcpy(kbuf + j * d, kp + row * d, d * sizeof(T));
-                    std::memcpy(vbuf + j * d, vp + row * d, d * sizeof(T));
-                }
-            }
-        }
+        const T *kf, *vf;
+        tile_keys_of(kp, vp, it.table, tile, it.len, bs, d, kbuf, vbuf, kf, vf);
         i16v valid;
         for (int j = 0; j < W; ++j) valid[j] = j >= lo && j < hi ? -1 : 0;
         for (int g0 = 0; g0 < g; g0 += 4) {
@@ -339,6 +348,27 @@ struct RowItem {
     float* lse;              // (G,) per position, stride / D apart
 };
 
+// An item's rows scaled into q, their sums and maxima zeroed, and the keys each sees (position i: len0 + i).
+INLINE void start_rows(const RowItem& it, int g, int d, float scale, float* q, float* acc, float* m, float* l,
+                       int64_t* len) {
+    for (int p = 0; p < it.positions; ++p)
+        for (int i = 0; i < g * d; ++i) {
+            q[p * g * d + i] = it.q[p * it.stride + i] * scale;
+            acc[p * g * d + i] = 0.f;
+        }
+    for (int r = 0; r < it.positions * g; ++r) { m[r] = -INFINITY; l[r] = 0.f; len[r] = it.len0 + r / g; }
+}
+
+// The rows' outputs (sums over their softmax totals) and log-sum-exps, where the item's caller reads them.
+INLINE void finish_rows(const RowItem& it, int g, int d, const float* acc, const float* m, const float* l) {
+    for (int r = 0; r < it.positions * g; ++r) {
+        const int p = r / g, gi = r % g;
+        const float inv = 1.f / l[r];
+        for (int i = 0; i < d; ++i) it.out[p * it.stride + gi * d + i] = acc[r * d + i] * inv;
+        it.lse[p * it.stride / d + gi] = m[r] + std::log(l[r]);
+    }
+}
+
 INLINE int tile_keys(int64_t len, int64_t tile) { return static_cast<int>(len - tile < W ? len - tile : W); }
 
 INLINE void attend_rows(const RowItem& it, int g, int d, float scale) {
@@ -346,13 +376,8 @@ INLINE void attend_rows(const RowItem& it, int g, int d, float scale) {
     alignas(64) float q[MAX_ROWS * MAX_D], acc[MAX_ROWS * MAX_D];
     float m[MAX_ROWS], l[MAX_ROWS];
     int64_t len[MAX_ROWS];
-    for (int p = 0; p < it.positions; ++p)
-        for (int i = 0; i < g * d; ++i) {
-            q[p * g * d + i] = it.q[p * it.stride + i] * scale;
-            acc[p * g * d + i] = 0.f;
-        }
-    for (int r = 0; r < n; ++r) { m[r] = -INFINITY; l[r] = 0.f; len[r] = it.len0 + r / g; }
-    const int64_t end = len[n - 1];
+    start_rows(it, g, d, scale, q, acc, m, l, len);
+    const int64_t end = it.len0 + it.positions - 1;       // the last row's keys
     int first_row = 0;                                   // rows before it see no key of this tile
     for (int64_t tile = 0; tile < end; tile += W) {
         while (len[first_row] <= tile) first_row += g;
@@ -372,12 +397,7 @@ INLINE void attend_rows(const RowItem& it, int g, int d, float scale) {
             r += run;
         }
     }
-    for (int r = 0; r < n; ++r) {
-        const int p = r / g, gi = r % g;
-        const float inv = 1.f / l[r];
-        for (int i = 0; i < d; ++i) it.out[p * it.stride + gi * d + i] = acc[r * d + i] * inv;
-        it.lse[p * it.stride / d + gi] = m[r] + std::log(l[r]);
-    }
+    finish_rows(it, g, d, acc, m, l);
 }
 
 // A few positions of one segment (speculative verification: K + 1 rows per sequence) for one kv head,
@@ -394,34 +414,13 @@ INLINE void attend_in_place(const RowItem& it, const T* kp, const T* vp, const i
     alignas(64) T kbuf[W * MAX_D], vbuf[W * MAX_D];
     float m[MAX_ROWS], l[MAX_ROWS];
     int64_t len[MAX_ROWS];
-    for (int p = 0; p < it.positions; ++p)
-        for (int i = 0; i < g * d; ++i) {
-            q[p * g * d + i] = it.q[p * it.stride + i] * scale;
-            acc[p * g * d + i] = 0.f;
-        }
-    for (int r = 0; r < n; ++r) { m[r] = -INFINITY; l[r] = 0.f; len[r] = it.len0 + r / g; }
-    const int64_t end = len[n - 1];
+    start_rows(it, g, d, scale, q, acc, m, l, len);
+    const int64_t end = it.len0 + it.positions - 1;       // the last row's keys
     int first_row = 0;
     for (int64_t tile = 0; tile < end; tile += W) {
         while (len[first_row] <= tile) first_row += g;
-        const T* kf = kbuf;
-        const T* vf = vbuf;
-        if (bs % W == 0) {
-            const int64_t row = table[tile / bs] * bs + tile % bs;
-            kf = kp + row * d;
-            vf = vp + row * d;
-        } else {
-            for (int j = 0; j < W; ++j) {
-                const int64_t key = tile + j, row = key < end ? table[key / bs] * bs + key % bs : -1;
-                if (row < 0) {
-                    std::memset(kbuf + j * d, 0, d * sizeof(T));
-                    std::memset(vbuf + j * d, 0, d * sizeof(T));
-                } else {
-                    std::memcpy(kbuf + j * d, kp + row * d, d * sizeof(T));
-                    std::memcpy(vbuf + j * d, vp + row * d, d * sizeof(T));
-                }
-            }
-        }
+        const T *kf, *vf;
+        tile_keys_of(kp, vp, table, tile, end, bs, d, kbuf, vbuf, kf, vf);
         for (int r = first_row; r < n;) {
             const int hi = tile_keys(len[r], tile);
             int run = 1;
@@ -438,12 +437,7 @@ INLINE void attend_in_place(const RowItem& it, const T* kp, const T* vp, const i
             r += run;
         }
     }
-    for (int r = 0; r < n; ++r) {
-        const int p = r / g, gi = r % g;
-        const float inv = 1.f / l[r];
-        for (int i = 0; i < d; ++i) it.out[p * it.stride + gi * d + i] = acc[r * d + i] * inv;
-        it.lse[p * it.stride / d + gi] = m[r] + std::log(l[r]);
-    }
+    finish_rows(it, g, d, acc, m, l);
 }
 
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
