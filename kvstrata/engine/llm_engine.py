@@ -210,7 +210,8 @@ class LLMEngine:
                               MappingProxyType(self.tiers.counts()), copied(self.tiers.stats), copied(self.stats),
                               self.scheduler.num_preemptions,
                               None if self.store is None else MappingProxyType(self.store.stats().errors),
-                              self.tiers.num_unpersisted)
+                              self.tiers.num_unpersisted,
+                              sum(cache.unmapped_bytes for cache in self.runner.buffers.caches.values()))
 
     @property
     def has_unfinished(self) -> bool:

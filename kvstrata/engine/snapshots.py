@@ -100,6 +100,7 @@ class EngineSnapshot:
     num_preemptions: int
     store_errors: Mapping[str, int] | None  # failed store calls as the store counts them; None without a store
     num_unpersisted: int                    # full blocks not yet written to the store (see TierManager.persist)
+    kv_unmapped_bytes: int = 0              # KV buffer bytes an idle engine has yet to map (LLMEngine.map_kv_pages)
 
     @classmethod
     def empty(cls) -> EngineSnapshot:

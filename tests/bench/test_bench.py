@@ -3,11 +3,12 @@
 import json
 import math
 
+import httpx
 import numpy as np
 import pytest
 
 from kvstrata.bench.cases import read_cases, write_cases
-from kvstrata.bench.loadgen import arrival_times
+from kvstrata.bench.loadgen import UNMAPPED, gauge_value, arrival_times
 from kvstrata.bench.metrics import RequestResult, RunMetrics, Summary, parse_slo, percentile
 from kvstrata.bench.workloads import TOKEN_HIGH, TOKEN_LOW, WorkloadOptions, build_workload
 from kvstrata.entrypoints.cli.main import main
@@ -106,6 +107,8 @@ def test_bench_serve_against_a_live_server(smollm2, tmp_path, capsys):
                      "--num-prefixes", "1", "--prefix-len", "48", "--input-len", "8", "--output-len", "6",
                      "--request-rate", "inf", "--slo", "ttft=60000", "--warmup-requests", "1",
                      "--no-progress", "--output", str(out)])
+        # the bench waited (warm_up) until the server had mapped its KV memory, as its gauge says
+        assert gauge_value(httpx.get(base + "/metrics").text, UNMAPPED) == 0
     assert code == 0
     text = capsys.readouterr().out
     assert "first/second" in text and "TTFT p99 (ms)" in text

@@ -183,3 +183,22 @@ def test_validation_on_the_real_engine_reports_every_figure_per_tier(tmp_path):
         row = level["figures"][name]
         assert row["engine"][0] == pytest.approx(row["simulator"], abs=0.05)
     assert level["engine_runs"][0]["loadavg_before"] and level["engine_runs"][0]["probe_s"] > 0
+
+
+def test_validate_takes_the_newest_profile_of_this_machine(tmp_path, monkeypatch, capsys):
+    from kvstrata.entrypoints.cli import calibrate as calibrate_cli
+    from kvstrata.entrypoints.cli.main import main
+
+    monkeypatch.setattr(calibrate_cli, "PROFILES", tmp_path)
+    here = current_machine()
+    elsewhere = {**here.as_dict(), "kind": "Some Xeon | 2 cores | avx2+fma+avx512f", "dtype": "bfloat16"}
+    assert calibrate_cli.profile_for_this_machine() is None
+    path = _trace(tmp_path / "t.jsonl")
+    code = main(["simulate", "--validate", "--trace", str(path), "--max-requests", "10"])
+    assert code == 2 and "no profile in benchmarks/profiles was calibrated on this machine" in capsys.readouterr().err
+    _profile(fitted_on=[{"kind": "grid", "time": "2026-12-04T01:00:00+00:00"}], machine=elsewhere).save(tmp_path / "a.json")
+    _profile(fitted_on=[{"kind": "grid", "time": "2026-12-02T01:00:00+00:00"}]).save(tmp_path / "b.json")
+    _profile(fitted_on=[{"kind": "grid", "time": "2026-12-03T01:00:00+00:00"}]).save(tmp_path / "c.json")
+    assert calibrate_cli.profile_for_this_machine() == tmp_path / "c.json"
+    assert calibrate_cli.machine_profile_path().parent == tmp_path
+    assert str(here.cores) + "core" in calibrate_cli.machine_profile_path().name

@@ -146,6 +146,11 @@ def test_async_engine_streams_and_cancelling_aborts(make_engine):
                 break
             asyncio.run(asyncio.sleep(0.02))
         assert engine.runner.kv.unmapped_bytes == 0
+        for _ in range(100):                        # and says so to /metrics (kvstrata_kv_unmapped_bytes)
+            if async_engine.snapshot.kv_unmapped_bytes == 0:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert async_engine.snapshot.kv_unmapped_bytes == 0
     finally:
         async_engine.shutdown()
     counts = engine.scheduler.tiers.audit()["device"]

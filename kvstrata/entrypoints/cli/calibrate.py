@@ -1,6 +1,7 @@
 """`kvstrata calibrate`: fit the simulator's cost model to the real engine on this machine.
 
-    kvstrata calibrate --output benchmarks/profiles/cpu-2core-smollm2.json        fit a profile on this machine
+    kvstrata calibrate                                                        fit a profile on this machine
+                                                                              (benchmarks/profiles/, named by it)
     kvstrata calibrate --trace T --fit-slices plain                           fit a slice too (then refused)
     kvstrata calibrate --repeat 1 --store redis://127.0.0.1:6390/0 --output p.json     the store link of a Redis
 
@@ -11,9 +12,38 @@ which must time it the same way.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
-DEFAULT_PROFILE = Path("benchmarks/profiles/cpu-2core-smollm2.json")
+PROFILES = Path("benchmarks/profiles")
+
+
+def machine_profile_path() -> Path:
+    """Where `calibrate` writes this machine's profile by default: named by its CPU, cores and ISA, so
+    a profile fitted on another CPU is never overwritten nor taken for this one's."""
+    from kvstrata.core.machine import machine as current_machine
+
+    here = current_machine()
+    isa = "-".join(flag.replace("_", "") for flag in here.isa if flag not in ("avx2", "fma")) or "avx2"
+    cpu = "-".join(here.cpu.lower().split()[:2])
+    return PROFILES / f"{cpu}-{here.cores}core-{isa}-smollm2.json"
+
+
+def profile_for_this_machine() -> Path | None:
+    """The newest profile in benchmarks/profiles calibrated on a machine of this kind (CPU, cores,
+    ISA: `CostModel.other_machine`), or None: what `simulate --validate` times the engine against
+    when no --profile is given."""
+    from kvstrata.core.machine import machine as current_machine
+
+    kind, found = current_machine().kind, []
+    for path in PROFILES.glob("*.json"):
+        try:
+            profile = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if (profile.get("machine") or {}).get("kind") == kind:
+            found.append((max((f.get("time", "") for f in profile.get("fitted_on", ())), default=""), path.name, path))
+    return max(found)[2] if found else None
 
 
 def add_engine_timing(group: argparse._ActionsContainer) -> None:
@@ -28,7 +58,8 @@ def add_engine_timing(group: argparse._ActionsContainer) -> None:
 def add_calibrate(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("calibrate", help="fit the simulator's cost model to the real engine on "
                                                    "this machine")
-    parser.add_argument("--output", type=Path, default=DEFAULT_PROFILE, help="where to write the JSON profile")
+    parser.add_argument("--output", type=Path, default=None, help="where to write the JSON profile (default: "
+                        "benchmarks/profiles/CPU-CORES-ISA-smollm2.json, named after this machine)")
     parser.add_argument("--machine", default=None, help="how to name this machine in the profile "
                                                         "(default: CPU model and core count)")
     add_engine_timing(parser)
@@ -52,7 +83,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise ValueError(f"--fit-slices takes names of {', '.join(SLICES)}, not {args.fit_slices!r}")
     calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock,
                             trace=args.trace, slices=slices, store=args.store)
-    calibration.save(args.output)
+    output = args.output or machine_profile_path()
+    calibration.save(output)
     print(calibration.report())
-    print(f"profile written to {args.output}: {calibration.model.source}")
+    print(f"profile written to {output}: {calibration.model.source}")
     return 0

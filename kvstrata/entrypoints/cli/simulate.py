@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from kvstrata.core.config import POLICIES, SPECULATIVE_EXAMPLE, WRITE_POLICIES, SpeculativeConfig, parse_size
-from kvstrata.entrypoints.cli.calibrate import DEFAULT_PROFILE, add_engine_timing
+from kvstrata.entrypoints.cli.calibrate import add_engine_timing, profile_for_this_machine
 from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.roofline import HARDWARE, MODELS, roofline
 from kvstrata.sim.routing import ROUTERS
@@ -296,7 +296,12 @@ def run_validation(args: argparse.Namespace) -> int:
     from kvstrata.calibration.slices import SLICES
     from kvstrata.calibration.validation import validate
 
-    cost = CostModel.load(args.profile or DEFAULT_PROFILE)
+    profile = args.profile or profile_for_this_machine()
+    if profile is None:
+        raise ValueError("no profile in benchmarks/profiles was calibrated on this machine, and validation times "
+                         "the real engine here against one: run `kvstrata calibrate` (~2 min a --repeat) first, "
+                         "or pass --profile")
+    cost = CostModel.load(profile)
     elsewhere = cost.other_machine()
     if elsewhere:
         raise ValueError(f"{elsewhere}. Validation times the real engine here against the profile: calibrate on "

@@ -84,6 +84,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("kvstrata_step_failures", "Engine steps that raised (their requests ended with "
                                   "an error, their blocks released)", value=run.step_failures)
         yield CounterMetricFamily("kvstrata_engine_steps", "Engine steps", value=run.steps)
+        yield GaugeMetricFamily("kvstrata_kv_unmapped_bytes", "KV buffer bytes not yet mapped: an idle engine maps "
+                                "them; until then a step's first write to one pays the page fault",
+                                value=snapshot.kv_unmapped_bytes)
         seconds = CounterMetricFamily("kvstrata_engine_step_seconds", "Seconds engine steps took, by part "
                                       "(schedule: scheduling and admission; model: the model and the sampler; "
                                       "rest: bookkeeping, caching, detokenizing)", labels=["part"])
