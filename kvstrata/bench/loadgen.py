@@ -127,8 +127,8 @@ async def warm_up(target: Target, load: LoadOptions, options: RequestOptions) ->
 async def wait_mapped(target: Target, patience: float = MAPPING_PATIENCE, every: float = 1.0) -> None:
     """Wait until the server says (`kvstrata_kv_unmapped_bytes`, /metrics) that its KV memory is mapped.
     Why: a kvstrata engine maps its lazily allocated KV pages while idle, and a step that writes a page
-    not yet mapped pays the fault (one run, 2-core EPYC VM: 343 against 422 output tok/s with every
-    request at once); engines that touch all of their KV at start-up (vLLM's zeroed cache) pay it
+    not yet mapped pays the fault (docs/design/tiers-and-stores.md: 343 against 422 output tok/s in
+    two runs with every request at once); engines that touch all of their KV at start-up (vLLM's zeroed cache) pay it
     before they answer. Servers without the metric are not waited for."""
     deadline, last_log = time.monotonic() + patience, 0.0
     async with httpx.AsyncClient(timeout=10.0) as client:
