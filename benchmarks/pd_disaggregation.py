@@ -23,7 +23,7 @@ machine against Redis) beside the measured figures, with the relative error of e
 `--simulate-only DIR` redoes that comparison from a run's saved results in DIR.
 
 Run: .venv/bin/python benchmarks/pd_disaggregation.py [--streams 8] [--long 6] [--long-len 1800]
-     [--long-gap 2.0] [--stream-output 160] [--repeats 1] [--profile P]
+     [--long-gap 2.0] [--stream-output 160] [--repeats 1] [--profile P] [--local-prefill-tokens N]
      .venv/bin/python benchmarks/pd_disaggregation.py --simulate-only /tmp/pd-disaggregation-XXXX
 """
 
@@ -76,7 +76,8 @@ def write_trace(path: Path, streams: int, long: int, long_len: int, long_gap: fl
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def run_fleet(kind: str, trace: Path, requests: int, stream_output: int, out: Path, port: int, repeats: int) -> dict:
+def run_fleet(kind: str, trace: Path, requests: int, stream_output: int, out: Path, port: int, repeats: int,
+              local_prefill_tokens: int = 0) -> dict:
     """Start Redis, the two engines and the router of one fleet; bench it; stop everything."""
     redis_port, engines = port + 10, [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
     store = f"redis://127.0.0.1:{redis_port}/0"
@@ -90,7 +91,8 @@ def run_fleet(kind: str, trace: Path, requests: int, stream_output: int, out: Pa
                                       "--disaggregation-mode", role, "--log-level", "WARNING",
                                       stdout=logs, stderr=subprocess.STDOUT))
         if kind == "disaggregated":
-            flags = ["--pd-disaggregation", "--prefill", engines[0], "--decode", engines[1]]
+            flags = ["--pd-disaggregation", "--prefill", engines[0], "--decode", engines[1],
+                     "--local-prefill-tokens", str(local_prefill_tokens)]
         else:
             flags = ["--policy", "kv_aware", "--engine", engines[0], "--engine", engines[1]]
         processes.append(kvstrata("router", "--port", str(port), "--log-level", "WARNING", *flags,
@@ -142,7 +144,7 @@ def machine_cpu() -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / tick, steal / tick
 
 
-def simulate(trace: Path, profile: Path, out: Path) -> dict[str, dict]:
+def simulate(trace: Path, profile: Path, out: Path, local_prefill_tokens: int = 0) -> dict[str, dict]:
     """`kvstrata simulate` of 1P+1D and 2 colocated engines on `trace`, set up as the real fleets are:
     the engines' default block size, batch budget, step-time target and KV memory (1 thread: the profile)."""
     cache, scheduling = CacheConfig(), SchedulerConfig()
@@ -154,7 +156,8 @@ def simulate(trace: Path, profile: Path, out: Path) -> dict[str, dict]:
                     "--block-size", str(cache.block_size), "--device-cache-tokens", str(device_tokens),
                     "--max-num-seqs", str(scheduling.max_num_seqs),
                     "--max-num-batched-tokens", str(scheduling.max_num_batched_tokens),
-                    "--max-tpot-ms", str(scheduling.max_tpot_ms), "--output-json", str(path)],
+                    "--max-tpot-ms", str(scheduling.max_tpot_ms), "--local-prefill-tokens", str(local_prefill_tokens),
+                    "--output-json", str(path)],
                    check=True, stdout=subprocess.DEVNULL)
     layouts = json.loads(path.read_text())["layouts"]
     return dict(zip(KINDS, layouts))
@@ -192,6 +195,9 @@ def main() -> None:
     parser.add_argument("--long-gap", type=float, default=2.0, help="seconds between long prompts")
     parser.add_argument("--stream-output", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--local-prefill-tokens", type=int, default=0,
+                        help="the router's --local-prefill-tokens (and the simulator's): prompts the decode engine "
+                             "lacks at most this many tokens of are prefilled there (default 0: all handed over)")
     parser.add_argument("--port", type=int, default=18300, help="router port; engines on the next two, Redis +10")
     parser.add_argument("--profile", type=Path, default=PROFILE, help="the simulator's calibrated profile")
     parser.add_argument("--simulate-only", type=Path, default=None, metavar="DIR",
@@ -200,18 +206,19 @@ def main() -> None:
     if args.simulate_only is not None:
         measured = {kind: next(iter(json.loads((args.simulate_only / f"{kind}.json").read_text())["summary"].values()))
                     for kind in KINDS}
-        print_comparison(measured, simulate(args.simulate_only / "mixed.jsonl", args.profile, args.simulate_only),
-                         args.profile)
+        print_comparison(measured, simulate(args.simulate_only / "mixed.jsonl", args.profile, args.simulate_only,
+                                            args.local_prefill_tokens), args.profile)
         return
     out = Path(tempfile.mkdtemp(prefix="pd-disaggregation-"))
     trace = out / "mixed.jsonl"
     write_trace(trace, args.streams, args.long, args.long_len, args.long_gap, args.stream_output)
     requests = args.streams + args.long
     print(f"{args.streams} streams (200 -> {args.stream_output} tokens) + {args.long} long prompts "
-          f"({args.long_len} -> 8 tokens, every {args.long_gap}s); {platform.processor() or platform.machine()}, "
+          f"({args.long_len} -> 8 tokens, every {args.long_gap}s); local prefill up to {args.local_prefill_tokens} "
+          f"tokens; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores; files in {out}")
-    results = {kind: run_fleet(kind, trace, requests, args.stream_output, out, args.port, args.repeats)
-               for kind in KINDS}
+    results = {kind: run_fleet(kind, trace, requests, args.stream_output, out, args.port, args.repeats,
+                               args.local_prefill_tokens) for kind in KINDS}
     print(f"{'':<14} {'1P+1D':>10} {'2 colocated':>12} {'ratio':>7}   goal")
     for label, key, stat, goal in ROWS:
         pd, co = (results[kind]["summary"][key] if stat is None else results[kind]["summary"][key][stat]
@@ -226,8 +233,8 @@ def main() -> None:
         print(f"{kind}: load (1-min) {result['load'][0]:.1f} -> {result['load'][1]:.1f}; failed {failed}; "
               f"router: {result['router'] or '-'}; CPU s over {result['summary']['duration_s']:.1f} s: {cpu}")
     (out / "fleets.json").write_text(json.dumps(results, indent=2) + "\n")
-    print_comparison({kind: result["summary"] for kind, result in results.items()}, simulate(trace, args.profile, out),
-                     args.profile)
+    print_comparison({kind: result["summary"] for kind, result in results.items()},
+                     simulate(trace, args.profile, out, args.local_prefill_tokens), args.profile)
 
 
 if __name__ == "__main__":

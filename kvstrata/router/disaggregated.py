@@ -12,6 +12,8 @@ Nothing is pinned anywhere between the two legs: the prefill engine's request ha
 are cached, evictable), and the store's records are content-addressed, so a decode engine that finds
 one missing or corrupt recomputes it. Hence every failure has a cheap way out:
 
+    a prompt of at most --local-prefill-tokens tokens the chosen decode engine lacks: prefilled there (no
+        handoff: a short prompt's handoff costs its first token more than its prefill costs the streams)
     prefill engine down or refusing (503)  the next prefill engine; none left: colocated on a decode engine
     prefill past --handoff-timeout         colocated on a decode engine (the prefill's request is aborted)
     a request that is not one prompt and one sample (n, best_of, several prompts): colocated
@@ -49,6 +51,9 @@ async def route_pd(fleet: Fleet, request: Request, path: str) -> Response:
     try:
         reason = _not_handed_over(path, body)
         params = None
+        if reason is None and _prefilled_locally(fleet, prompt):
+            metrics.handoffs.labels("prefilled_locally").inc()
+            return await forward(fleet, request, path, raw, prompt, fleet.colocated)
         if reason is None:
             params, reason = await _prefill(fleet, request, path, body, prompt)
             if isinstance(params, Response):          # the request's own error: the client's to see
@@ -83,6 +88,19 @@ def _not_handed_over(path: str, body: Any) -> str | None:
             and len(prompt) > 1:
         return "prompts"
     return None
+
+
+def _prefilled_locally(fleet: Fleet, prompt: RoutedPrompt) -> bool:
+    """Whether the decode engine the request would go to lacks at most --local-prefill-tokens of its
+    prompt (by the decode policy's predicted hit, as `forward` will choose it)."""
+    limit = fleet.config.local_prefill_tokens
+    if not limit or prompt.num_tokens <= 0:
+        return False
+    try:
+        decision = fleet.colocated.policy.route(prompt, fleet.colocated.views)
+    except NoEngineAvailable:
+        return False
+    return prompt.num_tokens - decision.predicted_hit_tokens <= limit
 
 
 async def _prefill(fleet: Fleet, request: Request, path: str, body: dict,

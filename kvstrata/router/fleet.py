@@ -36,6 +36,7 @@ class RouterConfig:
     prefill: tuple[str, ...] = ()         # --pd-disaggregation: engines run with --disaggregation-mode prefill
     decode: tuple[str, ...] = ()          # ... and with --disaggregation-mode decode
     handoff_timeout: float = 120.0        # longest wait for a prefill engine's answer (its prefill and store writes)
+    local_prefill_tokens: int = 0         # prompts with at most this many tokens a decode engine lacks: no handoff
 
     @property
     def disaggregated(self) -> bool:
@@ -60,6 +61,9 @@ class RouterConfig:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
         if min(self.health_interval, self.connect_timeout, self.request_timeout, self.handoff_timeout) <= 0:
             raise ValueError("intervals and timeouts must be positive")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"--local-prefill-tokens must be 0 (hand every prompt over) or positive, "
+                             f"not {self.local_prefill_tokens}")
         return self
 
 
@@ -115,8 +119,9 @@ class RouterMetrics:
             self.up.labels(url).set(0)
         # Prefill/decode disaggregation (kvstrata.router.disaggregated)
         self.handoffs = Counter("kvstrata_router_handoffs", "Requests under --pd-disaggregation by outcome "
-                                "(handed_over: prefill then decode; fell_back: served colocated on a decode engine; "
-                                "client_gone: the client left)", ["outcome"], registry=self.registry)
+                                "(handed_over: prefill then decode; prefilled_locally: a prompt of at most "
+                                "--local-prefill-tokens new tokens, prefilled by its decode engine; fell_back: served "
+                                "colocated on a decode engine; client_gone: the client left)", ["outcome"], registry=self.registry)
         self.fallbacks = Counter("kvstrata_router_handoff_fallbacks", "Requests served colocated instead of handed "
                                  "over, by reason", ["reason"], registry=self.registry)
         self.aborts = Counter("kvstrata_router_handoff_aborts", "Clients gone during a handoff, by phase (prefill, "

@@ -10,9 +10,13 @@ docs/design/disaggregation.md on the virtual clock, with the real scheduler and 
     decode     the decode engine's lookup finds the stored blocks, loads them (LOADING, the store
                link's time) and computes the rest of the prompt, then decodes
 
+With `local_prefill_tokens` (the router's --local-prefill-tokens), a request whose decode engine lacks
+at most that many of its prompt tokens goes there at arrival and is prefilled there: no handoff.
+
 A request's TTFT is its decode engine's first token, as a client of `kvstrata router
 --pd-disaggregation` sees it (the prefill engine's token is not sent on), and so are its ITL. Hit
-rates are the prefill engines' (prefix caching); the decode engines' store hits are the handoff.
+rates are the prefill engines' (prefix caching); the decode engines' store hits are the handoff (and
+their device hits, not counted in the hit rate, the requests they prefilled themselves).
 """
 
 from __future__ import annotations
@@ -52,10 +56,23 @@ class DisaggregatedSimulator(Simulator):
         return super()._engine(index, cache, scheduling)
 
     def _arrive(self, index: int) -> None:
+        if self.config.local_prefill_tokens and self._prefill_locally(index):
+            return
         request = self._new_request(index, 1)
         engine = self.engines[self.router.route(request) if self.num_prefill > 1 else 0]
         engine.scheduler.add_request(request)
         self._wake(engine, self.clock.now)
+
+    def _prefill_locally(self, index: int) -> bool:
+        """Send the request to its decode engine if that one lacks at most local_prefill_tokens of its prompt."""
+        request = self._new_request(index, self.trace[index].output_length)
+        decode = self.engines[self.num_prefill + self.decode_router.route(request)]
+        if request.num_prompt_tokens - decode.tiers.cached_prefix_tokens(request) > self.config.local_prefill_tokens:
+            return False
+        self.records[index].engine = decode.index
+        decode.scheduler.add_request(request)
+        self._wake(decode, self.clock.now)
+        return True
 
     def _finish(self, engine: _Engine, request: Request) -> None:
         if engine.index >= self.num_prefill:

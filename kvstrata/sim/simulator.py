@@ -86,6 +86,8 @@ class SimConfig:
     tokens_per_id: int = TRACE_BLOCK              # tokens per trace hash id (fewer: a shrunk trace, traces.shrink)
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
     acceptance: Acceptance | None = None          # its drafts' acceptance (None: geometric, DEFAULT_ALPHA)
+    local_prefill_tokens: int = 0                 # P/D splits: prompts a decode engine lacks at most this many
+                                                  # tokens of are prefilled there (the router's flag)
 
     def validate(self) -> SimConfig:
         size = self.block_size
@@ -108,6 +110,9 @@ class SimConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if self.max_tpot_ms < 0:
             raise ValueError(f"max_tpot_ms must be 0 (off) or positive, not {self.max_tpot_ms}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be 0 (hand every prompt over) or positive, "
+                             f"not {self.local_prefill_tokens}")
         if self.acceptance is not None and self.speculative is None:
             raise ValueError("an acceptance without a speculative config simulates nothing: pass one")
         return self

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvstrata.router.forwarding import ENGINE_HEADER
+from kvstrata.router.policies import cached_tokens
 from tests.entrypoints.server_helpers import blocks_at_rest, free_port, running_server, scrape, serving, wait_idle
 from tests.kvcache.stores.store_helpers import redis_server  # noqa: F401  (fixture)
 from tests.router.router_helpers import fake_engine, running_router
@@ -103,6 +104,38 @@ def test_disaggregated_fleet_equals_colocated_serving(smollm2, redis_server):  #
     assert router_metric(metrics, "prefill_seconds_count") == 3
     assert router_metric(metrics, "transfer_seconds_count", 'part="decode_first_bytes"') == 2
     assert decode_metrics['kvstrata_prompt_tokens_total{source="store"}'] >= 32
+
+
+def test_prompts_a_decode_engine_nearly_holds_are_prefilled_there(smollm2, redis_server):  # noqa: F811
+    """--local-prefill-tokens: a short prompt, and a long conversation's next turn (whose earlier turn its
+    decode engine holds), are prefilled by the decode engine; the long first turn is handed over. Greedy
+    outputs equal colocated serving's either way."""
+    turn1 = [{"role": "user", "content": LONG_PROMPT}]
+    with ExitStack() as stack:
+        colocated, _ = stack.enter_context(running_server(smollm2))
+        expected_short = complete(colocated).json()["choices"][0]["text"]
+        expected_first, _, _ = streamed_chat(colocated, turn1)
+        turn2 = turn1 + [{"role": "assistant", "content": expected_first}, {"role": "user", "content": "And why?"}]
+        expected_second, _, _ = streamed_chat(colocated, turn2)
+        prefill = prefill_engine(stack, smollm2, redis_server.url)
+        decode = decode_engine(stack, smollm2, redis_server.url)
+        base, fleet = pd_router(stack, smollm2, [prefill[0]], [decode[0]], local_prefill_tokens=200)
+
+        short = complete(base)
+        assert short.json()["choices"][0]["text"] == expected_short and "kv_transfer" not in short.json()["usage"]
+        first, _, _ = streamed_chat(base, turn1)
+        assert first == expected_first
+        second_prompt = fleet.routed_prompt("/v1/chat/completions", {"messages": turn2})
+        deadline = time.monotonic() + 10         # the router learns of the first turn's blocks from KV events
+        while cached_tokens(fleet.decode.views[0], second_prompt) < 1000:
+            assert time.monotonic() < deadline, "the decode engine's KV events never showed the first turn"
+            time.sleep(0.05)
+        second, _, _ = streamed_chat(base, turn2)
+        assert second == expected_second
+        metrics = scrape(base)
+        at_rest(prefill, decode)
+    assert router_metric(metrics, "handoffs_total", 'outcome="prefilled_locally"') == 2
+    assert router_metric(metrics, "handoffs_total", 'outcome="handed_over"') == 1
 
 
 class Blackhole:

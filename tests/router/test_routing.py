@@ -74,3 +74,14 @@ def test_event_log_is_bounded_and_falls_back_to_a_snapshot():
     view.apply(behind)
     view.apply(log.since(view.seq, view.instance))
     assert view.held["device"] == set(hashes[1:]) and view.num_requests() == 2
+
+
+def test_a_router_config_refuses_a_negative_local_prefill():
+    from kvstrata.router.fleet import RouterConfig
+
+    pd = {"prefill": ("http://127.0.0.1:1",), "decode": ("http://127.0.0.1:2",)}
+    assert RouterConfig((), local_prefill_tokens=512, **pd).validate().local_prefill_tokens == 512
+    with pytest.raises(ValueError, match="--local-prefill-tokens must be 0"):
+        RouterConfig((), local_prefill_tokens=-1, **pd).validate()
+    with pytest.raises(ValueError, match="local_prefill_tokens must be 0"):
+        SimConfig(local_prefill_tokens=-1).validate()

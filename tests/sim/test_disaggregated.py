@@ -95,3 +95,22 @@ def test_the_command_refuses_splits_it_cannot_replay(tmp_path, flags):
                            "--store-cache-tokens", "inf", *flags], capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode != 0 and ("--pd-splits" in done.stderr or "--prefill-instances" in done.stderr)
+
+
+@pytest.mark.parametrize("limit", [0, 600])
+def test_prompts_a_decode_engine_nearly_holds_are_prefilled_there(limit):
+    """A long first turn is handed over either way; a short prompt and the conversation's next turn (512
+    tokens past what its decode engine holds) go through the prefill engine without a limit, and straight
+    to the decode engine with one."""
+    trace = [TraceRequest(0.0, 1024, 3, (1, 2)), TraceRequest(0.1, 200, 3, (3,)), TraceRequest(20.0, 1536, 3, (1, 2, 4))]
+    config = SimConfig(block_size=256, store_cache_tokens=None, local_prefill_tokens=limit, audit=True)
+    result = DisaggregatedSimulator(trace, config, fixed_cost(), 1, 1).run()
+    first, short, second = result.records
+    prefill, decode = result.engines
+    assert first.engine == short.engine == second.engine == 1
+    assert (first.cached_tokens, short.cached_tokens) == (768, 0)
+    assert result.to_json()["audit"]["device_used_at_end"] == 0
+    if limit:       # the next turn: the decode engine's own 1,024 tokens, the rest computed there
+        assert (second.cached_tokens, prefill["hit_tokens"]["device"], decode["hit_tokens"]["store"]) == (1024, 0, 768)
+    else:           # the prefill engine finds 1,024, computes and stores the rest; the decode engine loads a block
+        assert (second.cached_tokens, prefill["hit_tokens"]["device"], decode["hit_tokens"]["store"]) == (1280, 1024, 1024)

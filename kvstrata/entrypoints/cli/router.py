@@ -25,6 +25,12 @@ def add_router(commands) -> None:
     parser.add_argument("--handoff-timeout", type=float, default=120.0,
                         help="with --pd-disaggregation: longest wait in seconds for a prefill engine's answer "
                              "(its prefill and store writes); past it the request is served colocated")
+    parser.add_argument("--local-prefill-tokens", type=int, default=0,
+                        help="with --pd-disaggregation: a prompt with at most this many tokens its decode engine "
+                             "does not hold (a short prompt, a conversation's next turn) is prefilled there, not "
+                             "handed over: its prefill stalls that engine's streams for less than a handoff delays "
+                             "its first token (Dynamo's conditional disaggregation; default 0: every prompt "
+                             "handed over)")
     parser.add_argument("--model", default=None,
                         help="the engines' model, for its tokenizer and chat template (default: the embedded one)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -50,7 +56,8 @@ def run_router(args) -> int:
 
     config = RouterConfig(urls(args.engine), args.policy, args.health_interval, request_timeout=args.request_timeout,
                           engine_api_key=args.engine_api_key, prefill=urls(args.prefill), decode=urls(args.decode),
-                          handoff_timeout=args.handoff_timeout).validate()
+                          handoff_timeout=args.handoff_timeout,
+                          local_prefill_tokens=args.local_prefill_tokens).validate()
     fleet = build_fleet(config, load_tokenizer(args.model))
     server = uvicorn.Config(create_router_app(fleet), host=args.host, port=args.port,
                             log_level=args.log_level.lower(), access_log=False)

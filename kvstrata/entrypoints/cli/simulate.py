@@ -95,6 +95,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--pd-splits", default=None, metavar="P:D,P:D,..",
                         help="several prefill:decode splits (e.g. 1:3,2:2,3:1), each against as many colocated "
                              "engines; with --slo-ttft-ms / --slo-tpot-ms, the layout to run for each fleet size")
+    engine.add_argument("--local-prefill-tokens", type=int, default=0,
+                        help="with a P:D split: prompts whose decode engine lacks at most this many of their tokens "
+                             "are prefilled there, not handed over (as `kvstrata router --local-prefill-tokens`; "
+                             "default 0: every prompt handed over)")
     engine.add_argument("--slo-ttft-ms", type=float, default=None,
                         help="a request's TTFT target: with --pd-splits, recommend the layout whose requests "
                              "meet the SLO most often")
@@ -179,7 +183,7 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
                      max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
                      policy=args.policy, max_tpot_ms=args.max_tpot_ms, write_policy=args.write_policy,
-                     store_timeout=args.store_timeout,
+                     store_timeout=args.store_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      audit=args.audit, **speculation(args)).validate()
 
 
