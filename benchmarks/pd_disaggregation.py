@@ -3,7 +3,8 @@ the kv_aware router, on a mixed workload: long prompts arriving while long repli
 
 Both fleets: two `kvstrata serve` engines with one torch thread each (same cores per engine), one
 fresh Redis as their store, the router in front, driven one after the other by `kvstrata bench serve`
-on the same trace:
+on the same trace, once every engine has mapped its KV memory (`kvstrata_kv_unmapped_bytes`: a fresh
+engine maps it while idle, and a step writing an unmapped page pays the fault):
 
     streams        --streams requests, a 200-token prompt each and a --stream-output-token reply,
                    arriving 0.25 s apart from t = 0
@@ -30,6 +31,7 @@ Run: .venv/bin/python benchmarks/pd_disaggregation.py [--streams 8] [--long 6] [
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -43,6 +45,8 @@ from pathlib import Path
 import httpx
 from router_fleet import kvstrata, wait_ready
 
+from kvstrata.bench.client import Target
+from kvstrata.bench.loadgen import wait_mapped
 from kvstrata.core.config import CacheConfig, SchedulerConfig
 from kvstrata.sim.cost_model import CostModel
 
@@ -56,9 +60,13 @@ ROWS = (("TTFT p50 ms", "ttft_ms", "p50", 1.3), ("TTFT p99 ms", "ttft_ms", "p99"
 SIMULATED = {"ttft_ms": "ttft_s", "tpot_ms": "tpot_s", "itl_ms": "itl_s"}    # measured key -> simulator's
 
 
-def write_trace(path: Path, streams: int, long: int, long_len: int, long_gap: float, stream_output: int) -> None:
-    """Mooncake lines: every prompt its own hash ids (no prefix sharing between requests)."""
+def write_trace(path: Path, streams: int, long: int, long_len: int, long_gap: float, stream_output: int,
+                repeats: int = 1) -> None:
+    """Mooncake lines: every prompt its own hash ids (no prefix sharing between requests); one copy per
+    repeat, each with ids of its own and a minute after the last (`kvstrata bench serve --repeats` runs
+    the trace's next slice each time, and the simulator replays them all)."""
     lines, next_id = [], 1
+    span = 1000 + long * long_gap * 1000 + 60_000            # ms from one copy to the next
 
     def ids(length: int) -> list[int]:
         nonlocal next_id
@@ -66,12 +74,13 @@ def write_trace(path: Path, streams: int, long: int, long_len: int, long_gap: fl
         next_id += count
         return list(range(next_id - count, next_id))
 
-    for s in range(streams):
-        lines.append({"timestamp": int(s * 250), "input_length": 200, "output_length": stream_output,
-                      "hash_ids": ids(200)})
-    for k in range(long):
-        lines.append({"timestamp": int(1000 + k * long_gap * 1000), "input_length": long_len, "output_length": 8,
-                      "hash_ids": ids(long_len)})
+    for copy in range(repeats):
+        for s in range(streams):
+            lines.append({"timestamp": int(copy * span + s * 250), "input_length": 200,
+                          "output_length": stream_output, "hash_ids": ids(200)})
+        for k in range(long):
+            lines.append({"timestamp": int(copy * span + 1000 + k * long_gap * 1000), "input_length": long_len,
+                          "output_length": 8, "hash_ids": ids(long_len)})
     lines.sort(key=lambda line: line["timestamp"])
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
@@ -101,6 +110,8 @@ def run_fleet(kind: str, trace: Path, requests: int, stream_output: int, out: Pa
         parts = ["redis", *roles, "router"]
         try:
             wait_ready(router, processes[1:])
+            for url in engines:        # each engine's KV memory mapped (kvstrata.bench.loadgen.wait_mapped)
+                asyncio.run(wait_mapped(Target(url, url)))
             load = os.getloadavg()[0]
             cpu_before = [cpu_seconds(process.pid) for process in processes]
             machine_before = machine_cpu()
@@ -108,7 +119,8 @@ def run_fleet(kind: str, trace: Path, requests: int, stream_output: int, out: Pa
             subprocess.run([sys.executable, "-m", "kvstrata", "bench", "serve", "--base-url", router, "--label", kind,
                             "--workload", f"trace:{trace}", "--output-len", str(stream_output),
                             "--num-requests", str(requests), "--repeats", str(repeats), "--warmup-requests", "2",
-                            "--output", str(out / kind), "--no-progress", "--timeout", "600"],
+                            "--output", str(out / kind), "--no-progress", "--timeout", "600",
+                            "--patience", "60"],     # each repeat once the last one's store writes are done
                            check=True, stdout=subprocess.DEVNULL)
             client = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu = {f"{part}{i}": after - before for i, (part, process, before)
@@ -144,9 +156,11 @@ def machine_cpu() -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / tick, steal / tick
 
 
-def simulate(trace: Path, profile: Path, out: Path, local_prefill_tokens: int = 0) -> dict[str, dict]:
-    """`kvstrata simulate` of 1P+1D and 2 colocated engines on `trace`, set up as the real fleets are:
-    the engines' default block size, batch budget, step-time target and KV memory (1 thread: the profile)."""
+def simulate(trace: Path, profile: Path, out: Path, local_prefill_tokens: int = 0,
+             requests: int | None = None) -> dict[str, dict]:
+    """`kvstrata simulate` of 1P+1D and 2 colocated engines on `trace` (its first `requests`: one repeat's
+    copy, all alike), set up as the real fleets are: the engines' default block size, batch budget,
+    step-time target and KV memory (1 thread: the profile)."""
     cache, scheduling = CacheConfig(), SchedulerConfig()
     block_bytes = CostModel.load(profile).block_bytes(cache.block_size)
     device_tokens = cache.kv_cache_memory // block_bytes * cache.block_size
@@ -157,7 +171,7 @@ def simulate(trace: Path, profile: Path, out: Path, local_prefill_tokens: int = 
                     "--max-num-seqs", str(scheduling.max_num_seqs),
                     "--max-num-batched-tokens", str(scheduling.max_num_batched_tokens),
                     "--max-tpot-ms", str(scheduling.max_tpot_ms), "--local-prefill-tokens", str(local_prefill_tokens),
-                    "--output-json", str(path)],
+                    *(["--max-requests", str(requests)] if requests else []), "--output-json", str(path)],
                    check=True, stdout=subprocess.DEVNULL)
     layouts = json.loads(path.read_text())["layouts"]
     return dict(zip(KINDS, layouts))
@@ -207,11 +221,11 @@ def main() -> None:
         measured = {kind: next(iter(json.loads((args.simulate_only / f"{kind}.json").read_text())["summary"].values()))
                     for kind in KINDS}
         print_comparison(measured, simulate(args.simulate_only / "mixed.jsonl", args.profile, args.simulate_only,
-                                            args.local_prefill_tokens), args.profile)
+                                            args.local_prefill_tokens, args.streams + args.long), args.profile)
         return
     out = Path(tempfile.mkdtemp(prefix="pd-disaggregation-"))
     trace = out / "mixed.jsonl"
-    write_trace(trace, args.streams, args.long, args.long_len, args.long_gap, args.stream_output)
+    write_trace(trace, args.streams, args.long, args.long_len, args.long_gap, args.stream_output, args.repeats)
     requests = args.streams + args.long
     print(f"{args.streams} streams (200 -> {args.stream_output} tokens) + {args.long} long prompts "
           f"({args.long_len} -> 8 tokens, every {args.long_gap}s); local prefill up to {args.local_prefill_tokens} "
@@ -234,7 +248,7 @@ def main() -> None:
               f"router: {result['router'] or '-'}; CPU s over {result['summary']['duration_s']:.1f} s: {cpu}")
     (out / "fleets.json").write_text(json.dumps(results, indent=2) + "\n")
     print_comparison({kind: result["summary"] for kind, result in results.items()},
-                     simulate(trace, args.profile, out, args.local_prefill_tokens), args.profile)
+                     simulate(trace, args.profile, out, args.local_prefill_tokens, requests), args.profile)
 
 
 if __name__ == "__main__":
