@@ -72,14 +72,21 @@ def router_metric(metrics: dict[str, float], name: str, label: str = "") -> floa
     return metrics.get(f"kvstrata_router_{name}{{{label}}}" if label else f"kvstrata_router_{name}", 0.0)
 
 
+def colocated_answers(stack: ExitStack, smollm2, turn1: list[dict]) -> tuple[str, str, list[dict], str]:
+    """What a colocated engine answers, greedily: PROMPT's completion, a conversation's first turn, its
+    second turn's messages and the reply to them (what the disaggregated fleet must equal)."""
+    colocated, _ = stack.enter_context(running_server(smollm2))
+    text = complete(colocated).json()["choices"][0]["text"]
+    first, _, _ = streamed_chat(colocated, turn1)
+    turn2 = turn1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "And why?"}]
+    second, _, _ = streamed_chat(colocated, turn2)
+    return text, first, turn2, second
+
+
 def test_disaggregated_fleet_equals_colocated_serving(smollm2, redis_server):  # noqa: F811
     turn1 = [{"role": "user", "content": "Please list three colours of the rainbow and explain briefly. " * 3}]
     with ExitStack() as stack:
-        colocated, _ = stack.enter_context(running_server(smollm2))
-        expected_text = complete(colocated).json()["choices"][0]["text"]
-        expected_reply, _, _ = streamed_chat(colocated, turn1)
-        turn2 = turn1 + [{"role": "assistant", "content": expected_reply}, {"role": "user", "content": "And why?"}]
-        expected_second, _, _ = streamed_chat(colocated, turn2)
+        expected_text, expected_reply, turn2, expected_second = colocated_answers(stack, smollm2, turn1)
         prefill = prefill_engine(stack, smollm2, redis_server.url)
         decodes = [decode_engine(stack, smollm2, redis_server.url) for _ in range(2)]
         base, _ = pd_router(stack, smollm2, [prefill[0]], [d[0] for d in decodes])
@@ -112,11 +119,7 @@ def test_prompts_a_decode_engine_nearly_holds_are_prefilled_there(smollm2, redis
     outputs equal colocated serving's either way."""
     turn1 = [{"role": "user", "content": LONG_PROMPT}]
     with ExitStack() as stack:
-        colocated, _ = stack.enter_context(running_server(smollm2))
-        expected_short = complete(colocated).json()["choices"][0]["text"]
-        expected_first, _, _ = streamed_chat(colocated, turn1)
-        turn2 = turn1 + [{"role": "assistant", "content": expected_first}, {"role": "user", "content": "And why?"}]
-        expected_second, _, _ = streamed_chat(colocated, turn2)
+        expected_short, expected_first, turn2, expected_second = colocated_answers(stack, smollm2, turn1)
         prefill = prefill_engine(stack, smollm2, redis_server.url)
         decode = decode_engine(stack, smollm2, redis_server.url)
         base, fleet = pd_router(stack, smollm2, [prefill[0]], [decode[0]], local_prefill_tokens=200)
