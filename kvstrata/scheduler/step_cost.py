@@ -27,6 +27,12 @@ STRETCH = 5.0
 # multi-turn's small bursts and lengthened their queueing (TTFT mean 277 -> 415 ms in one A/B).
 QUEUE_RATIO = 4
 FORGETTING = 0.98         # weight of the past per step: the fit follows the host within ~50 steps
+# No direction of a fit's inverse information matrix may grow past its prior's variance. Forgetting divides
+# the matrix by FORGETTING every step, and a direction no step excites (no prefill for a while; no drafts
+# when speculation is off) grows without bound ("covariance windup"): after ~35,000 decode-only steps (20
+# minutes of a busy server) it overflowed, the fit turned NaN for good, and every later step with decodes
+# got only min_prefill_tokens of prefill.
+MAX_VARIANCE = 1e4
 
 
 class RecursiveFit:
@@ -35,12 +41,16 @@ class RecursiveFit:
     def __init__(self, features: int, forgetting: float):
         self.forgetting = forgetting
         self.theta = np.zeros(features)
-        self.inverse = np.eye(features) * 1e4        # the inverse information matrix of RLS
+        self.inverse = np.eye(features) * MAX_VARIANCE   # the inverse information matrix of RLS
 
     def observe(self, x: np.ndarray, seconds: float) -> None:
         gain = self.inverse @ x / (self.forgetting + x @ self.inverse @ x)
         self.theta = self.theta + gain * (seconds - x @ self.theta)
-        self.inverse = (self.inverse - np.outer(gain, x @ self.inverse)) / self.forgetting
+        inverse = (self.inverse - np.outer(gain, x @ self.inverse)) / self.forgetting
+        if np.trace(inverse) > MAX_VARIANCE:     # some direction may be past the bound: clip it there
+            values, vectors = np.linalg.eigh((inverse + inverse.T) / 2)
+            inverse = (vectors * np.minimum(values, MAX_VARIANCE)) @ vectors.T
+        self.inverse = inverse
 
 
 class StepCostModel:

@@ -2,7 +2,9 @@
 
 import random
 
-from kvstrata.scheduler.step_cost import MIN_STEPS, QUEUE_RATIO, STRETCH, StepCostModel
+import numpy as np
+
+from kvstrata.scheduler.step_cost import MAX_VARIANCE, MIN_STEPS, QUEUE_RATIO, STRETCH, StepCostModel
 
 
 def trained(base=0.02, per_token=0.0006, per_decode=0.001, steps=200, seed=0):
@@ -46,6 +48,21 @@ def test_the_forgetting_fit_follows_a_host_that_slows_down():
         model.observe(prefill, decodes, 2 * (0.02 + 0.0006 * prefill + 0.001 * decodes))
     base, per_token, _ = model.theta
     assert abs(per_token - 0.0012) < 0.0001 and abs(base - 0.04) < 0.008
+
+
+def test_a_long_stretch_without_prefill_leaves_the_fit_whole():
+    """Covariance windup: forgetting grows the directions no step excites by 1/FORGETTING a step; 40,000
+    decode-only steps (~20 busy minutes) once overflowed the prefill direction into NaN for good, and every
+    later step got only the floor. Bounded, the fit comes back as soon as prefill does, drafts' fit too."""
+    model = trained()
+    before = model.prefill_limit(0.15, 8, 64, 2048)
+    for step in range(40_000):
+        model.observe(0, 8 + step % 5, 0.02 + 0.001 * (8 + step % 5))
+    assert np.isfinite(model.split.inverse).all() and np.isfinite(model.drafts.inverse).all()
+    assert np.linalg.eigvalsh(model.split.inverse).max() <= MAX_VARIANCE * (1 + 1e-9)
+    for _ in range(50):
+        model.observe(256, 8, 0.02 + 0.0006 * 256 + 0.001 * 8)
+    assert abs(model.prefill_limit(0.15, 8, 64, 2048) - before) < 15 and before > 64
 
 
 def test_a_young_fit_does_not_cut():
