@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvstrata.bench.cases import read_cases, write_cases
-from kvstrata.bench.loadgen import UNMAPPED, gauge_value, arrival_times
+from kvstrata.bench.loadgen import UNMAPPED, arrival_times, gauge_value
 from kvstrata.bench.metrics import RequestResult, RunMetrics, Summary, parse_slo, percentile
 from kvstrata.bench.workloads import TOKEN_HIGH, TOKEN_LOW, WorkloadOptions, build_workload
 from kvstrata.entrypoints.cli.main import main
