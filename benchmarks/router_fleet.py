@@ -24,10 +24,9 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from kvstrata.bench.fleets import kvstrata, wait_ready
 
 PROFILE = Path(__file__).parent / "profiles" / "cpu-2core-smollm2.json"
 DEVICE_TOKENS = 23296
@@ -45,23 +44,6 @@ def write_trace(path: Path, conversations: int, turns: int, seed: int = 7) -> No
                           "input_length": (len(ids) - 1) * TRACE_BLOCK + rng.randint(300, 500)})
     lines.sort(key=lambda line: line["timestamp"])
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-
-
-def kvstrata(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvstrata", *args], **kwargs)
-
-
-def wait_ready(router: str, processes: list[subprocess.Popen], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert all(p.poll() is None for p in processes), "a fleet process exited during start-up"
-        try:
-            if all(httpx.get(f"{router}/health", timeout=2).json()["engines"].values()):
-                return
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(1)
-    raise TimeoutError("the fleet did not come up")
 
 
 def real_run(policy: str, trace: Path, requests: int, time_scale: float, out: Path, port: int) -> dict:

@@ -88,6 +88,9 @@ class SimConfig:
     acceptance: Acceptance | None = None          # its drafts' acceptance (None: geometric, DEFAULT_ALPHA)
     local_prefill_tokens: int = 0                 # P/D splits: prompts a decode engine lacks at most this many
                                                   # tokens of are prefilled there (the router's flag)
+    host_cores: float | None = None               # cores the whole fleet shares (None: each engine has its own)
+    serving_overhead: float = 0.0                 # with host_cores: CPU seconds the fleet spends around a second
+                                                  # of steps (HTTP, streaming, the router, the store's server)
 
     def validate(self) -> SimConfig:
         size = self.block_size
@@ -113,6 +116,10 @@ class SimConfig:
         if self.local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be 0 (hand every prompt over) or positive, "
                              f"not {self.local_prefill_tokens}")
+        if self.host_cores is not None and self.host_cores <= 0:
+            raise ValueError(f"host_cores must be positive (or None: a core per engine), not {self.host_cores}")
+        if self.serving_overhead < 0:
+            raise ValueError(f"serving_overhead must not be negative, not {self.serving_overhead}")
         if self.acceptance is not None and self.speculative is None:
             raise ValueError("an acceptance without a speculative config simulates nothing: pass one")
         return self
@@ -158,6 +165,13 @@ class _Engine:
     output: SchedulerOutput | None = None      # the step in progress, applied when it ends
     wake_at: float | None = None               # a pending wake-up of an idle engine
     steps: int = 0
+    step_cpu_s: float = 0.0                    # the profile's seconds of its steps (before shared cores stretch
+                                               # them): the CPU time its engine thread would use
+    started: float = 0.0                       # when the step in progress started
+    work_s: float = 0.0                        # shared cores: its CPU seconds not yet done
+    rate: float = 1.0                          # shared cores: the share of a core it gets since `since`
+    since: float = 0.0
+    step_seq: int = 0                          # numbers its end-of-step events: an earlier one is stale
 
 
 @dataclass
@@ -187,6 +201,7 @@ class SimResult:
                    preemptions=sum(e["preemptions"] for e in self.engines),
                    evictions={**evictions, "store": self.store_evictions},
                    steps=sum(e["steps"] for e in self.engines),
+                   step_cpu_s=sum(e["step_cpu_s"] for e in self.engines),
                    transfers={key: _add(e[key] for e in self.engines)
                               for key in ("loaded_blocks", "offloaded_blocks", "load_failures", "store_errors")},
                    wall_s=round(self.wall_s, 3), profile=self.profile, config=asdict(self.config))
@@ -197,7 +212,8 @@ class SimResult:
                 blocks = sum(math.ceil(r.prompt_tokens / size) for r in mine)
                 engine_hits = {tier: e["hit_tokens"][tier] // size for tier in TIERS}
                 out["per_engine"].append({**summarize(mine, engine_hits, blocks),
-                                          "preemptions": e["preemptions"], "steps": e["steps"]})
+                                          "preemptions": e["preemptions"], "steps": e["steps"],
+                                          "step_cpu_s": e["step_cpu_s"]})
         if self.config.audit:
             out["audit"] = {"steps_audited": self.audited_steps, **self.blocks_at_end}
         if self.speculation is not None:
@@ -360,12 +376,39 @@ class Simulator:
         if not output.is_empty:
             seconds += self.cost.step_seconds(BatchShape.of(output.chunks, self.config.block_size,
                                                             self.cost.decode_in_place))
-            engine.step_cost.observe_step(output, seconds)
-        self._post(self.clock.now + seconds, STEP, self._end_step, engine)
+        engine.step_cpu_s += seconds
+        engine.started = engine.since = self.clock.now
+        engine.work_s = seconds
+        if self.config.host_cores is None:
+            self._end_at(engine, self.clock.now + seconds)
+        else:
+            self._share_cores()
 
-    def _end_step(self, engine: _Engine) -> None:
+    def _share_cores(self) -> None:
+        """Processor sharing of the cores the fleet shares (`host_cores`): while more engines are in a step
+        than the cores hold, each with its `serving_overhead` of serving work beside its thread, every step
+        runs at cores / demand of a core's speed; called whenever an engine starts or ends a step, it moves
+        each running step's end to where its remaining work at the new share puts it."""
+        now, running = self.clock.now, [engine for engine in self.engines if engine.output is not None]
+        demand = len(running) * (1.0 + self.config.serving_overhead)
+        rate = min(1.0, self.config.host_cores / demand) if running else 1.0
+        for engine in running:
+            engine.work_s = max(0.0, engine.work_s - (now - engine.since) * engine.rate)
+            engine.rate, engine.since = rate, now
+            self._end_at(engine, now + engine.work_s / rate)
+
+    def _end_at(self, engine: _Engine, at: float) -> None:
+        engine.step_seq += 1
+        self._post(at, STEP, self._end_step, (engine, engine.step_seq))
+
+    def _end_step(self, event: tuple[_Engine, int]) -> None:
+        engine, seq = event
+        if seq != engine.step_seq:                  # moved by processor sharing
+            return
         output, engine.output = engine.output, None
         now, records = self.clock.now, self.records
+        if not output.is_empty:                     # what the step took, as the engine times its own
+            engine.step_cost.observe_step(output, now - engine.started)
         sampled, accepted = {}, {}
         for chunk in output.chunks:
             if chunk.sample:
@@ -386,6 +429,8 @@ class Simulator:
             engine.scheduler.audit()
             self._audited += 1
         self._start_step(engine)
+        if engine.output is None and self.config.host_cores is not None:     # idle now: the others get its share
+            self._share_cores()
 
     def _finish(self, engine: _Engine, request: Request) -> None:
         record = self.records[int(request.request_id)]
@@ -405,7 +450,8 @@ class Simulator:
                             "offloaded_blocks": dict(stats.offloaded_blocks),
                             "load_failures": dict(stats.load_failures),
                             "store_errors": {**stats.store_errors, "dropped_writes": stats.dropped_writes},
-                            "preemptions": engine.scheduler.num_preemptions, "steps": engine.steps})
+                            "preemptions": engine.scheduler.num_preemptions, "steps": engine.steps,
+                            "step_cpu_s": engine.step_cpu_s})
         at_end = {}
         if self.config.audit:
             for engine in self.engines:

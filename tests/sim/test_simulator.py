@@ -166,6 +166,28 @@ def test_a_step_time_target_cuts_a_long_prefill_beside_decodes_as_the_engine_doe
     assert runs[100.0].records[-1].ttft > runs[0.0].records[-1].ttft     # the long prompt pays for it
 
 
+def test_engines_sharing_cores_slow_each_others_steps_while_both_compute():
+    """Round robin over 2 engines: A (1000 tokens, a 1.01 s step) at t=0 on engine 0, B (500 tokens, 0.51 s)
+    at t=0.51 on engine 1, one output each. On 2 cores, or a core each, neither slows. On 1 core, with no
+    serving overhead, A runs alone at full speed until B arrives (0.5 s of work left), then both at half:
+    A ends at 0.51 + 1.0 = 1.51 s, when B has 0.01 s of work left, done alone by 1.52 s. With a serving
+    overhead of 1 every engine needs two cores' worth: A alone gets half a core, both a quarter each."""
+    trace = [TraceRequest(0.0, 1000, 1, (1, 2)), TraceRequest(0.51, 500, 1, (3,))]
+
+    def ttfts(**cores) -> list[float]:
+        result = Simulator(trace, SimConfig(block_size=256, instances=2, **cores), fixed_cost()).run()
+        return [r.ttft for r in result.records]
+
+    assert ttfts() == ttfts(host_cores=2) == pytest.approx([1.01, 0.51], abs=1e-12)
+    assert ttfts(host_cores=1) == pytest.approx([1.51, 1.01], abs=1e-12)
+    b_end = 0.51 + 0.51 * 4                             # A did 0.255 s of work alone; B's 0.51 s at a quarter
+    a_end = b_end + (1.01 - 0.255 - 0.51) * 2           # A did 0.51 s more beside B; the rest at half a core
+    assert ttfts(host_cores=1, serving_overhead=1.0) == pytest.approx([a_end, b_end - 0.51], abs=1e-12)
+    for wrong in ({"host_cores": 0}, {"serving_overhead": -0.1}):
+        with pytest.raises(ValueError, match="host_cores must be positive|serving_overhead must not be negative"):
+            SimConfig(**wrong).validate()
+
+
 def test_a_store_hit_waits_in_loading_for_its_transfer():
     """The device holds 6 blocks: C evicts A's 4 to the store, where B finds them 0.5 s per store call later."""
     trace = [TraceRequest(0.0, 1024, 1, (1, 2)), TraceRequest(10.0, 1536, 1, (7, 8, 9)),

@@ -9,6 +9,8 @@
                                                     what speculation buys: the trace with and without it
     kvstrata simulate --trace T --prefill-instances 1 --decode-instances 3 --store-cache-tokens inf \
                       --router kv_aware                          a P:D split against P+D colocated engines
+    kvstrata simulate --validate --trace T --prefill-instances 1 --decode-instances 1 --router kv_aware \
+                      --profile P                        a real 1P+1D fleet and 2 colocated engines vs simulator
     kvstrata simulate --trace T --pd-splits 1:3,2:2,3:1 --store-cache-tokens inf --slo-ttft-ms 2000 \
                       --slo-tpot-ms 100           several splits, colocated beside them, the one to run
 
@@ -112,6 +114,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="the engine's step-time target: while requests decode, cut each step's prefill to "
                              "what the step cost learned from the simulated steps says fits (`kvstrata serve` "
                              "defaults to 150; default 0: no cut, as --validate runs the engine)")
+    engine.add_argument("--host-cores", type=float, default=None,
+                        help="cores the whole fleet shares (engines of one thread, as the profile was calibrated): "
+                             "a step starting while more engines compute than there are cores, each with its "
+                             "--serving-overhead, takes that much longer (default: a core per engine)")
+    engine.add_argument("--serving-overhead", type=float, default=0.0,
+                        help="with --host-cores, or a P:D --validate: CPU seconds the fleet spends around a second "
+                             "of steps (HTTP, streaming, the router, the store's server); a P:D --validate prints "
+                             "what its fleets used (default 0)")
     engine.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
     engine.add_argument("--store-timeout", type=float, default=SimConfig.store_timeout)
 
@@ -155,12 +165,15 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                      help=f"run once per value of one capacity ({', '.join(CAPACITIES)})")
     out.add_argument("--validate", action="store_true",
                      help="replay a slice on the real engine and in the simulator at three loads (or at "
-                          "--time-scale); print the figures and relative errors")
+                          "--time-scale); print the figures and relative errors. With --prefill-instances and "
+                          "--decode-instances: the trace through a real P:D fleet and P+D colocated engines "
+                          "(--router) on this machine, each with a fresh Redis, against the simulator")
     out.add_argument("--slice", default=None, choices=("plain", "sessions", "speculative"),
                      help="--validate: the slice (plain, the default: a real slice, device cache only; sessions: "
                           "chat sessions shrunk to 32 tokens per hash id, host tier and disk store on; "
                           "speculative, the default with --speculative-config: 10 requests of up to 128 tokens)")
-    out.add_argument("--repeat", type=int, default=1, help="--validate: engine replays per load (the spread is noise)")
+    out.add_argument("--repeat", type=int, default=1, help="--validate: engine replays per load (the spread is noise); of a P:D fleet, "
+                                                              "the trace's next slice of --max-requests each time")
     return out
 
 
@@ -184,6 +197,7 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
                      max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
                      policy=args.policy, max_tpot_ms=args.max_tpot_ms, write_policy=args.write_policy,
                      store_timeout=args.store_timeout, local_prefill_tokens=args.local_prefill_tokens,
+                     host_cores=args.host_cores, serving_overhead=args.serving_overhead,
                      audit=args.audit, **speculation(args)).validate()
 
 
@@ -311,6 +325,8 @@ def run_validation(args: argparse.Namespace) -> int:
         raise ValueError(f"{elsewhere}. Validation times the real engine here against the profile: calibrate on "
                          f"this machine first (`kvstrata calibrate --output my-profile.json`, ~10 min) and pass "
                          f"--profile my-profile.json")
+    if args.prefill_instances is not None or args.decode_instances is not None:
+        return run_fleet_validation(args, cost)
     spec = SpeculativeConfig.parse(args.speculative_config)
     chosen = SLICES[args.slice or ("plain" if spec is None else "speculative")]
     overrides = {"skip": args.skip, "requests": args.max_requests, "max_input_tokens": args.max_input_tokens,
@@ -329,6 +345,39 @@ def run_validation(args: argparse.Namespace) -> int:
     report = validate(args.trace, chosen, cost, args.threads, args.clock, time_scales=scales, repeat=args.repeat,
                       max_num_seqs=args.max_num_seqs or 32)
     print(validation_table(report))
+    write_json(args.output_json, report)
+    return 0
+
+
+def run_fleet_validation(args: argparse.Namespace, cost: CostModel) -> int:
+    """`--validate --prefill-instances P --decode-instances D`: the real P:D fleet and P + D colocated engines
+    on this machine, each behind its router, against the simulator's prediction for both."""
+    import tempfile
+
+    from kvstrata.bench.fleet_validation import comparison_table, validate_split
+
+    if None in (args.prefill_instances, args.decode_instances):
+        raise ValueError("give --prefill-instances and --decode-instances together")
+    if args.speculative_config is not None or args.sweep is not None or args.pd_splits is not None:
+        raise ValueError("--validate of a P:D fleet takes neither --speculative-config, --sweep nor --pd-splits")
+    repeats = args.repeat
+    trace = read_mooncake(args.trace)
+    requests = args.max_requests or len(trace) // repeats
+    if requests < 1:
+        raise ValueError(f"{args.trace} holds {len(trace)} requests, fewer than --repeat {repeats}")
+    output_len = args.max_output_tokens or max(r.output_length for r in trace)
+    if "redis" not in cost.source:
+        print("note: this profile's store link was not timed against Redis, the fleets' store "
+              "(`kvstrata calibrate --threads 1 --store redis://HOST:PORT/0`)")
+    out = Path(tempfile.mkdtemp(prefix="kvstrata-fleet-validation-"))
+    print(f"validating {args.prefill_instances}P+{args.decode_instances}D against "
+          f"{args.prefill_instances + args.decode_instances} colocated engines ({args.router}) with {cost.source}: "
+          f"{requests} requests x {repeats} repeats, {args.threads} thread(s) per engine, a fresh Redis per fleet; "
+          f"logs in {out}", flush=True)
+    report = validate_split(Path(args.trace), requests, output_len, cost, out, args.prefill_instances,
+                            args.decode_instances, args.threads, args.router, args.local_prefill_tokens, repeats,
+                            overhead=args.serving_overhead)
+    print(comparison_table(report))
     write_json(args.output_json, report)
     return 0
 

@@ -1,0 +1,126 @@
+"""`kvstrata simulate --validate --prefill-instances P --decode-instances D`: the simulator's pooled figures,
+the comparison rows, the refusals, and (slow) real fleets of processes on this machine, end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstrata.bench.fleet_validation import (
+    FIGURES,
+    compare,
+    comparison_table,
+    engine_like_config,
+    pooled,
+    simulate_slices,
+)
+from kvstrata.bench.fleets import FleetSpec
+from kvstrata.core.machine import machine as current_machine
+from kvstrata.sim.cost_model import CostModel
+from kvstrata.sim.disaggregated import DisaggregatedSimulator
+from kvstrata.sim.traces import read_mooncake
+
+PROFILE = Path(__file__).resolve().parents[2] / "benchmarks/profiles/cpu-2core-zen5-smollm2-redis.json"
+
+
+def _trace(path: Path, copies: int = 2) -> Path:
+    """Per copy: two short prompts with 6-token replies and one 700-token prompt, copies a minute apart,
+    every prompt its own hash ids."""
+    lines, next_id = [], 1
+    for copy in range(copies):
+        for at, length, output in ((0, 40, 6), (300, 700, 2), (600, 60, 6)):
+            count = -(-length // 512)
+            lines.append({"timestamp": copy * 60_000 + at, "input_length": length, "output_length": output,
+                          "hash_ids": list(range(next_id, next_id + count))})
+            next_id += count
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_simulated_slices_pool_their_requests_as_the_bench_pools_its_repeats(tmp_path):
+    cost = CostModel.load(PROFILE)
+    config = engine_like_config(cost, "kv_aware", 0)
+    trace = _trace(tmp_path / "t.jsonl")
+    both = simulate_slices(trace, 3, 2, config, cost, 1, 1)
+    assert set(both) == {"disaggregated", "colocated"} and all(f["requests"] == 6 for f in both.values())
+    slices = [DisaggregatedSimulator(read_mooncake(trace, 3, skip=3 * r), config, cost, 1, 1).run() for r in (0, 1)]
+    figures = pooled(slices)
+    assert figures == both["disaggregated"]
+    ttft = [1000 * record.ttft for result in slices for record in result.records]
+    assert figures["ttft_ms"]["p99"] == pytest.approx(np.percentile(ttft, 99))
+    # throughput over the two slices' spans, not over the minute between them
+    spans = [max(r.finish for r in s.records) - min(r.arrival for r in s.records) for s in slices]
+    assert figures["output_throughput"] == pytest.approx(28 / sum(spans)) and sum(spans) < 30
+    with pytest.raises(ValueError, match="3 repeats of 3 need 9"):
+        simulate_slices(trace, 3, 3, config, cost, 1, 1)
+
+
+def test_the_comparison_gives_each_fleet_and_the_ratio_its_error():
+    def figures(ttft: float, tpot: float, itl: float, tok_s: float) -> dict:
+        return {"ttft_ms": {"p50": ttft, "p99": 2 * ttft}, "tpot_ms": {"p99": tpot}, "itl_ms": {"p99": itl},
+                "output_throughput": tok_s}
+
+    measured = {"disaggregated": figures(300, 50, 100, 60), "colocated": figures(200, 100, 400, 80)}
+    simulated = {"disaggregated": figures(330, 40, 100, 60), "colocated": figures(200, 100, 200, 80)}
+    rows = compare(measured, simulated)
+    assert [row["figure"] for row in rows] == [label for label, _, _ in FIGURES]
+    ttft = rows[0]
+    assert ttft["measured"] == [300, 200, 1.5] and ttft["error"] == pytest.approx([0.1, 0.0, 0.1])
+    assert rows[2]["error"] == pytest.approx([-0.2, 0.0, -0.2]) and rows[3]["error"] == pytest.approx([0.0, -0.5, 1.0])
+    table = comparison_table({"split": "1P+1D", "engines": 2, "rows": rows})
+    assert "2 colocated" in table and "-50.0%" in table
+    assert table.endswith("within 10%: 11 of 15 (the fleets' own figures 8 of 10)")
+
+
+def test_a_fleet_spec_names_its_engines_roles_and_router_flags():
+    pd = FleetSpec("disaggregated", prefill=1, decode=2, local_prefill_tokens=512, port=19000)
+    assert pd.roles == ["prefill", "decode", "decode"]
+    assert pd.router_flags() == ["--pd-disaggregation", "--prefill", "http://127.0.0.1:19001", "--decode",
+                                 "http://127.0.0.1:19002", "--decode", "http://127.0.0.1:19003",
+                                 "--local-prefill-tokens", "512"]
+    colocated = dataclasses.replace(pd, kind="colocated")
+    assert colocated.roles == ["both"] * 3 and colocated.router_flags()[:2] == ["--policy", "kv_aware"]
+    with pytest.raises(ValueError, match="one of disaggregated, colocated"):
+        FleetSpec("split")
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        FleetSpec("disaggregated", prefill=0)
+
+
+def test_validating_a_split_needs_both_counts_and_no_sweep(tmp_path, capsys):
+    from kvstrata.entrypoints.cli.main import main
+
+    profile = tmp_path / "p.json"
+    dataclasses.replace(CostModel.load(PROFILE), machine={**current_machine().as_dict(), "dtype": "bfloat16"}).save(profile)
+    trace = _trace(tmp_path / "t.jsonl")
+    base = ["simulate", "--validate", "--trace", str(trace), "--profile", str(profile)]
+    assert main([*base, "--prefill-instances", "1"]) == 2
+    assert "give --prefill-instances and --decode-instances together" in capsys.readouterr().err
+    assert main([*base, "--prefill-instances", "1", "--decode-instances", "1", "--sweep", "host_cache_tokens=0"]) == 2
+    assert "neither --speculative-config, --sweep nor --pd-splits" in capsys.readouterr().err
+    assert main([*base, "--prefill-instances", "1", "--decode-instances", "1", "--repeat", "7"]) == 2
+    assert "fewer than --repeat 7" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_real_split_and_colocated_fleet_are_measured_beside_the_simulator(tmp_path, capsys):
+    """Real processes: Redis, two engines and a router per fleet, driven by `kvstrata bench serve`."""
+    from kvstrata.entrypoints.cli.main import main
+
+    profile = tmp_path / "p.json"
+    dataclasses.replace(CostModel.load(PROFILE), machine={**current_machine().as_dict(), "dtype": "bfloat16"}).save(profile)
+    trace = _trace(tmp_path / "t.jsonl", copies=1)
+    out = tmp_path / "report.json"
+    assert main(["simulate", "--validate", "--trace", str(trace), "--profile", str(profile), "--prefill-instances",
+                 "1", "--decode-instances", "1", "--router", "kv_aware", "--output-json", str(out)]) == 0
+    assert "within 10%:" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    pd, colocated = report["fleets"]["disaggregated"], report["fleets"]["colocated"]
+    assert pd["summary"]["completed"] == colocated["summary"]["completed"] == 3
+    assert pd["router"]['kvstrata_router_handoffs_total{outcome="handed_over"}'] >= 3   # and the warm-up's
+    assert colocated["router"].get("kvstrata_router_handed_over_tokens_total", 0) == 0
+    assert pd["cpu_s"]["prefill0"] > 0 and pd["cpu_s"]["decode1"] > 0 and colocated["cpu_s"]["both0"] > 0
+    assert all(len(row["measured"]) == 3 and all(m > 0 for m in row["measured"]) for row in report["rows"])
