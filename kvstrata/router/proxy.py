@@ -12,12 +12,14 @@ be taken back; kvstrata.router.forwarding). It comes back at its next good healt
 snapshot of what it holds. With --pd-disaggregation, a request goes to a prefill engine and then to
 a decode engine (kvstrata.router.disaggregated).
 
+`/v1/timelines` gathers the engines' timelines of the named requests, each marked with its engine.
 /metrics counts requests routed per engine and outcome, prompt tokens routed and the tokens the
 policy predicted its caches would cover, and the handoffs of a disaggregated fleet.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import httpx
@@ -61,6 +63,10 @@ def create_router_app(fleet: Fleet) -> FastAPI:
     async def model(model_id: str, request: Request):
         return await _forward_get(fleet, request, f"/v1/models/{model_id}")
 
+    @app.get("/v1/timelines")
+    async def timelines(request: Request):
+        return await _gather_timelines(fleet, request)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await route(fleet, request, "/v1/chat/completions")
@@ -81,6 +87,27 @@ async def _forward_get(fleet: Fleet, request: Request, path: str) -> Response:
             continue
         return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
     return error(503, "no engine is available", "no_engine_available")
+
+
+async def _gather_timelines(fleet: Fleet, request: Request) -> dict:
+    """`GET /v1/timelines?id=..` of every engine, merged, each timeline marked with its engine's URL: where a
+    request's time went and on which engine (`kvstrata bench` through a router). A disaggregated request
+    has one on each side; the decode engine's, the side whose response id the client saw, is the one kept
+    (decode engines come after prefill engines in the fleet). Engines that do not answer are left out."""
+    params = list(request.query_params.multi_items())
+
+    async def ask(view) -> dict:
+        try:
+            reply = await fleet.client.get(f"{view.url}/v1/timelines", params=params,
+                                            headers=forwarded_headers(request))
+            return reply.json()["timelines"] if reply.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError, KeyError):
+            return {}
+
+    found: dict[str, dict] = {}
+    for view, kept in zip(fleet.views, await asyncio.gather(*(ask(view) for view in fleet.views))):
+        found.update({rid: {**timeline, "engine": view.url} for rid, timeline in kept.items()})
+    return {"timelines": found}
 
 
 async def _route(fleet: Fleet, request: Request, path: str) -> Response:

@@ -23,8 +23,9 @@ def _conversation_opening(index: int) -> str:
             " and answer briefly.")
 
 
-def _run_conversations(base: str) -> tuple[dict[int, list[str]], int, int]:
-    """Every conversation resent with its growing history, turn by turn; (engines per turn, cached, prompt)."""
+def _run_conversations(base: str, served: dict[str, str] | None = None) -> tuple[dict[int, list[str]], int, int]:
+    """Every conversation resent with its growing history, turn by turn; (engines per turn, cached, prompt).
+    `served` collects each response's id and the engine that served it."""
     histories = {c: [{"role": "user", "content": _conversation_opening(c)}] for c in range(CONVERSATIONS)}
     engines: dict[int, list[str]] = {c: [] for c in range(CONVERSATIONS)}
     cached = prompt = 0
@@ -33,6 +34,8 @@ def _run_conversations(base: str) -> tuple[dict[int, list[str]], int, int]:
             reply = chat(base, histories[c])
             assert reply.status_code == 200, reply.text
             engines[c].append(reply.headers[ENGINE_HEADER])
+            if served is not None:
+                served[reply.json()["id"]] = reply.headers[ENGINE_HEADER]
             usage = reply.json()["usage"]
             if turn > 0:
                 cached += usage["prompt_tokens_details"]["cached_tokens"]
@@ -53,8 +56,13 @@ def test_kv_aware_keeps_conversations_on_their_engine(smollm2, tmp_path, policy)
     with ExitStack() as stack:
         engines = _two_engines(stack, smollm2, tmp_path / "store")
         base, fleet = stack.enter_context(running_router(engines, smollm2.tokenizer, policy))
-        served, cached, prompt = _run_conversations(base)
+        ids: dict[str, str] = {}
+        served, cached, prompt = _run_conversations(base, ids)
         metrics = scrape(base)
+        # where each request's time went, gathered from both engines and marked with the one that served it
+        timelines = httpx.get(f"{base}/v1/timelines", params=[("id", i) for i in [*ids, "cmpl-unknown"]]).json()
+    assert {rid: t["engine"] for rid, t in timelines["timelines"].items()} == ids
+    assert all(t["spans"] for t in timelines["timelines"].values())
     spans = [len(set(turns)) for turns in served.values()]
     routed = sum(v for k, v in metrics.items() if k.startswith("kvstrata_router_requests_total"))
     assert routed == CONVERSATIONS * TURNS
