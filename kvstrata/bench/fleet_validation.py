@@ -17,21 +17,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 
-from kvstrata.bench.fleets import KINDS, FleetRun, FleetSpec, run_fleet
+from kvstrata.bench.fleets import KINDS, WARMUP_REQUESTS, FleetRun, FleetSpec, run_fleet
+from kvstrata.bench.loadgen import WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN
 from kvstrata.core.config import CacheConfig, SchedulerConfig
 from kvstrata.sim.cost_model import CostModel
-from kvstrata.sim.simulator import SimConfig, SimResult
+from kvstrata.sim.simulator import RequestRecord, SimConfig, SimResult
 from kvstrata.sim.splits import replay_layouts
-from kvstrata.sim.traces import read_mooncake
+from kvstrata.sim.traces import TraceRequest, read_mooncake
 
 # (label, the bench summary's key, its statistic (None: a scalar), the simulator's key)
 FIGURES = (("TTFT p50 ms", "ttft_ms", "p50"), ("TTFT p99 ms", "ttft_ms", "p99"), ("TPOT p99 ms", "tpot_ms", "p99"),
            ("ITL p99 ms", "itl_ms", "p99"), ("output tok/s", "output_throughput", None))
 GOAL = 0.10         # the simulator's target relative error (issue 31)
+SLICE_GAP_S = 600.0                               # simulated seconds from one slice's start to the next's
 
 
 def engine_like_config(cost: CostModel, policy: str, local_prefill_tokens: int, host_cores: float | None = None,
@@ -47,32 +50,61 @@ def engine_like_config(cost: CostModel, policy: str, local_prefill_tokens: int, 
                      serving_overhead=serving_overhead).validate()
 
 
-def simulate_slices(trace: Path, requests: int, repeats: int, config: SimConfig, cost: CostModel, prefill: int,
-                    decode: int) -> dict[str, dict]:
-    """Both fleets on each slice of `requests` requests, pooled: the figures of FIGURES, in the bench's units."""
+def fleet_trace(trace: Path, requests: int, repeats: int, warmups: int, gap_s: float) -> list[TraceRequest]:
+    """What the real fleet is sent, on one clock: the bench's warm-up requests at 0, then each slice of
+    `requests` from its own start, `gap_s` after the one before began (the bench runs a repeat once the
+    last one has ended and the cores are quiet)."""
     held = len(read_mooncake(trace))
     if held < repeats * requests:
         raise ValueError(f"{trace} holds {held} requests: {repeats} repeats of {requests} need {repeats * requests}")
-    results: dict[str, list[SimResult]] = {kind: [] for kind in KINDS}
-    for r in range(repeats):
-        slice_ = read_mooncake(trace, requests, skip=r * requests)
-        for kind, layout in zip(KINDS, replay_layouts(slice_, config, cost, [(prefill, decode)])):
-            results[kind].append(layout.result)
-    return {kind: pooled(runs) for kind, runs in results.items()}
+    slices = [read_mooncake(trace, requests, skip=r * requests) for r in range(repeats)]
+    unused = 1 + max(i for part in slices for request in part for i in request.hash_ids)
+    out = [TraceRequest(0.0, WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, (unused + w,)) for w in range(warmups)]
+    for r, part in enumerate(slices):
+        out += [dataclasses.replace(request, arrival=(r + 1) * gap_s + request.arrival) for request in part]
+    return out
 
 
-def pooled(results: list[SimResult]) -> dict:
+def simulate_slices(trace: Path, requests: int, repeats: int, config: SimConfig, cost: CostModel, prefill: int,
+                    decode: int, warmups: int = WARMUP_REQUESTS) -> dict[str, dict]:
+    """Both fleets fed as the real ones are (`fleet_trace`: each engine's caches and step-time fit carry
+    over from the warm-up and from one repeat to the next, as a real engine's do), figures pooled over
+    the slices: the figures of FIGURES, in the bench's units."""
+    gap_s = SLICE_GAP_S
+    while True:
+        fed = fleet_trace(trace, requests, repeats, warmups, gap_s)
+        layouts = replay_layouts(fed, config, cost, [(prefill, decode)])
+        if all(apart(layout.result, warmups, requests, repeats) for layout in layouts):
+            return {kind: pooled(layout.result, warmups, requests, repeats) for kind, layout in zip(KINDS, layouts)}
+        gap_s *= 4                      # a slice outlasted the gap: space them further apart
+
+
+def slices_of(result: SimResult, warmups: int, requests: int, repeats: int) -> list[list[RequestRecord]]:
+    return [result.records[warmups + r * requests:warmups + (r + 1) * requests] for r in range(repeats)]
+
+
+def apart(result: SimResult, warmups: int, requests: int, repeats: int) -> bool:
+    """Whether every slice (and the warm-up) ended before the next began."""
+    groups = [result.records[:warmups], *slices_of(result, warmups, requests, repeats)]
+    groups = [group for group in groups if group]
+    return all(max(r.finish for r in before) < min(r.arrival for r in after) for before, after in pairwise(groups))
+
+
+def pooled(result: SimResult, warmups: int, requests: int, repeats: int) -> dict:
     """TTFT, TPOT and ITL in ms over every slice's requests; output tokens over the slices' summed spans (each
-    from its first arrival to its last reply, as the bench sums its repeats' durations)."""
-    records = [record for result in results for record in result.records]
+    from its first arrival to its last reply, as the bench sums its repeats' durations). The warm-up's
+    inter-token gaps, all before the first slice's (`apart`), are left out."""
+    slices = slices_of(result, warmups, requests, repeats)
+    records = [record for part in slices for record in part]
     ttft = np.array([r.ttft for r in records]) * 1000
     tpot = np.array([r.tpot for r in records if r.output_tokens > 1]) * 1000
-    itl = np.concatenate([np.frombuffer(result.itl, dtype=np.float64) for result in results]) * 1000
-    span = sum(max(r.finish for r in result.records) - min(r.arrival for r in result.records) for result in results)
+    warm_gaps = sum(max(0, r.output_tokens - 1) for r in result.records[:warmups])
+    itl = np.frombuffer(result.itl, dtype=np.float64)[warm_gaps:] * 1000
+    span = sum(max(r.finish for r in part) - min(r.arrival for r in part) for part in slices)
     stats = {name: {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
              for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl))}
     return {**stats, "output_throughput": sum(r.output_tokens for r in records) / span, "requests": len(records),
-            "step_cpu_s": sum(engine["step_cpu_s"] for result in results for engine in result.engines)}
+            "step_cpu_s": sum(engine["step_cpu_s"] for engine in result.engines)}
 
 
 def serving_overhead(run: FleetRun, simulated: dict) -> float:

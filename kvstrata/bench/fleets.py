@@ -27,11 +27,12 @@ from pathlib import Path
 import httpx
 
 from kvstrata.bench.client import Target
-from kvstrata.bench.loadgen import wait_mapped
+from kvstrata.bench.loadgen import LoadOptions, wait_mapped
 
 KINDS = ("disaggregated", "colocated")
 HANDOFF_METRICS = re.compile(r"kvstrata_router_(handoffs|handoff_fallbacks|handed_over_tokens)_total")
 START_TIMEOUT_S = 300.0
+WARMUP_REQUESTS = LoadOptions().warmup_requests     # sent to each fleet before its first repeat
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _measure(spec: FleetSpec, processes: dict[str, subprocess.Popen], router: st
     client = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run([sys.executable, "-m", "kvstrata", "bench", "serve", "--base-url", router, "--label", spec.kind,
                     "--workload", f"trace:{trace}", "--output-len", str(output_len), "--num-requests", str(requests),
-                    "--repeats", str(repeats), "--warmup-requests", "2", "--output", str(out / spec.kind),
+                    "--repeats", str(repeats), "--warmup-requests", str(WARMUP_REQUESTS), "--output", str(out / spec.kind),
                     "--no-progress", "--timeout", "600", "--patience", str(patience)],
                    check=True, stdout=subprocess.DEVNULL)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -36,6 +36,7 @@ from kvstrata.bench.workloads import Session, Workload, WorkloadOptions, random_
 logger = logging.getLogger(__name__)
 
 WARMUP_SEED = 0x5EED    # warm-up prompts share nothing with any measured workload's
+WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN = 32, 8
 UNMAPPED = "kvstrata_kv_unmapped_bytes"
 MAPPING_PATIENCE = 300.0  # seconds to wait for a server to map its KV memory (2 GiB took 17 s on one host)
 
@@ -118,8 +119,8 @@ async def warm_up(target: Target, load: LoadOptions, options: RequestOptions) ->
     """A few short requests of their own tokens, so first-call costs (compilation, allocation) are not
     measured; then, for a kvstrata server, a wait until it has mapped its KV memory."""
     if load.warmup_requests:
-        warm = random_workload(WorkloadOptions(num_requests=load.warmup_requests, input_len=32, output_len=8),
-                               WARMUP_SEED)
+        warm = random_workload(WorkloadOptions(num_requests=load.warmup_requests, input_len=WARMUP_INPUT_LEN,
+                                               output_len=WARMUP_OUTPUT_LEN), WARMUP_SEED)
         await run_workload(target, warm, LoadOptions(), options, seed=0)
     await wait_mapped(target)
 

@@ -12,9 +12,11 @@ import pytest
 
 from kvstrata.bench.fleet_validation import (
     FIGURES,
+    apart,
     compare,
     comparison_table,
     engine_like_config,
+    fleet_trace,
     pooled,
     simulate_slices,
 )
@@ -22,7 +24,6 @@ from kvstrata.bench.fleets import FleetSpec
 from kvstrata.core.machine import machine as current_machine
 from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.disaggregated import DisaggregatedSimulator
-from kvstrata.sim.traces import read_mooncake
 
 PROFILE = Path(__file__).resolve().parents[2] / "benchmarks/profiles/cpu-2core-zen5-smollm2-redis.json"
 
@@ -41,22 +42,48 @@ def _trace(path: Path, copies: int = 2) -> Path:
     return path
 
 
-def test_simulated_slices_pool_their_requests_as_the_bench_pools_its_repeats(tmp_path):
+def test_the_simulated_fleets_get_the_warm_up_and_the_slices_one_after_another_and_pool_them(tmp_path):
     cost = CostModel.load(PROFILE)
     config = engine_like_config(cost, "kv_aware", 0)
     trace = _trace(tmp_path / "t.jsonl")
+    fed = fleet_trace(trace, 3, 2, warmups=2, gap_s=600.0)
+    assert [(r.arrival, r.input_length, r.output_length) for r in fed] == [
+        (0.0, 32, 8), (0.0, 32, 8), (600.0, 40, 6), (600.3, 700, 2), (600.6, 60, 6),
+        (1200.0, 40, 6), (1200.3, 700, 2), (1200.6, 60, 6)]
+    assert len({r.hash_ids for r in fed}) == len(fed)          # the warm-up shares no block with the slices
     both = simulate_slices(trace, 3, 2, config, cost, 1, 1)
     assert set(both) == {"disaggregated", "colocated"} and all(f["requests"] == 6 for f in both.values())
-    slices = [DisaggregatedSimulator(read_mooncake(trace, 3, skip=3 * r), config, cost, 1, 1).run() for r in (0, 1)]
-    figures = pooled(slices)
+    result = DisaggregatedSimulator(fed, config, cost, 1, 1).run()
+    assert apart(result, 2, 3, 2)
+    figures = pooled(result, 2, 3, 2)
     assert figures == both["disaggregated"]
-    ttft = [1000 * record.ttft for result in slices for record in result.records]
+    ttft = [1000 * record.ttft for record in result.records[2:]]
     assert figures["ttft_ms"]["p99"] == pytest.approx(np.percentile(ttft, 99))
-    # throughput over the two slices' spans, not over the minute between them
-    spans = [max(r.finish for r in s.records) - min(r.arrival for r in s.records) for s in slices]
+    assert len(result.itl) == 2 * 7 + 2 * (5 + 1 + 5)            # the warm-up's 14 gaps are left out of the ITL
+    assert figures["itl_ms"]["p99"] == pytest.approx(np.percentile(np.frombuffer(result.itl)[14:] * 1000, 99))
+    # throughput over the two slices' spans, not over the ten minutes between them
+    spans = [max(r.finish for r in part) - min(r.arrival for r in part) for part in (result.records[2:5], result.records[5:])]
     assert figures["output_throughput"] == pytest.approx(28 / sum(spans)) and sum(spans) < 30
     with pytest.raises(ValueError, match="3 repeats of 3 need 9"):
         simulate_slices(trace, 3, 3, config, cost, 1, 1)
+
+
+def test_slices_that_would_overlap_are_spaced_further_apart(tmp_path, monkeypatch):
+    from kvstrata.bench import fleet_validation
+
+    cost = CostModel.load(PROFILE)
+    config = engine_like_config(cost, "kv_aware", 0)
+    trace = _trace(tmp_path / "t.jsonl")
+    close = DisaggregatedSimulator(fleet_trace(trace, 3, 2, warmups=2, gap_s=0.5), config, cost, 1, 1).run()
+    assert not apart(close, 2, 3, 2)       # the 700-token prompt's slice is still running half a second later
+    spaced = simulate_slices(trace, 3, 2, config, cost, 1, 1)
+    monkeypatch.setattr(fleet_validation, "SLICE_GAP_S", 0.5)
+    retried = simulate_slices(trace, 3, 2, config, cost, 1, 1)     # 0.5 s, 2 s, then 8 s apart: the same figures
+    def flat(figures: dict) -> dict:
+        return {(kind, key, stat): value for kind, fleet in figures.items() for key, stats in fleet.items()
+                for stat, value in (stats.items() if isinstance(stats, dict) else [("", stats)])}
+
+    assert flat(retried) == pytest.approx(flat(spaced), rel=1e-9)
 
 
 def test_the_comparison_gives_each_fleet_and_the_ratio_its_error():
