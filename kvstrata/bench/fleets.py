@@ -43,8 +43,8 @@ class FleetSpec:
     prefill: int = 1
     decode: int = 1
     threads: int = 1
-    policy: str = "kv_aware"               # the colocated fleet's router policy (kv_aware over the prefill
-                                           # engines of a disaggregated one, as the router does)
+    policy: str = "kv_aware"               # the router's policy over the colocated engines, or over the prefill
+                                           # engines (the decode engines: prefix_affinity, as the router has it)
     local_prefill_tokens: int = 0          # the disaggregated router's --local-prefill-tokens
     port: int = 18300                      # the router's; engines on the next ports, Redis at +50
 
@@ -71,7 +71,8 @@ class FleetSpec:
         urls = self.engine_urls()
         if self.kind == "colocated":
             return ["--policy", self.policy, *(flag for url in urls for flag in ("--engine", url))]
-        return ["--pd-disaggregation", *(flag for url in urls[:self.prefill] for flag in ("--prefill", url)),
+        return ["--pd-disaggregation", "--policy", self.policy,
+                *(flag for url in urls[:self.prefill] for flag in ("--prefill", url)),
                 *(flag for url in urls[self.prefill:] for flag in ("--decode", url)),
                 "--local-prefill-tokens", str(self.local_prefill_tokens)]
 

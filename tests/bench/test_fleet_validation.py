@@ -106,7 +106,7 @@ def test_the_comparison_gives_each_fleet_and_the_ratio_its_error():
 def test_a_fleet_spec_names_its_engines_roles_and_router_flags():
     pd = FleetSpec("disaggregated", prefill=1, decode=2, local_prefill_tokens=512, port=19000)
     assert pd.roles == ["prefill", "decode", "decode"]
-    assert pd.router_flags() == ["--pd-disaggregation", "--prefill", "http://127.0.0.1:19001", "--decode",
+    assert pd.router_flags() == ["--pd-disaggregation", "--policy", "kv_aware", "--prefill", "http://127.0.0.1:19001", "--decode",
                                  "http://127.0.0.1:19002", "--decode", "http://127.0.0.1:19003",
                                  "--local-prefill-tokens", "512"]
     colocated = dataclasses.replace(pd, kind="colocated")
@@ -130,6 +130,8 @@ def test_validating_a_split_needs_both_counts_and_no_sweep(tmp_path, capsys):
     assert "neither --speculative-config, --sweep nor --pd-splits" in capsys.readouterr().err
     assert main([*base, "--prefill-instances", "1", "--decode-instances", "1", "--repeat", "7"]) == 2
     assert "fewer than --repeat 7" in capsys.readouterr().err
+    assert main([*base, "--prefill-instances", "1", "--decode-instances", "1", "--time-scale", "2"]) == 2
+    assert "replays the trace as written: --time-scale not taken" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -360,12 +360,17 @@ def run_fleet_validation(args: argparse.Namespace, cost: CostModel) -> int:
         raise ValueError("give --prefill-instances and --decode-instances together")
     if args.speculative_config is not None or args.sweep is not None or args.pd_splits is not None:
         raise ValueError("--validate of a P:D fleet takes neither --speculative-config, --sweep nor --pd-splits")
+    reshaped = [flag for flag, value in (("--skip", args.skip), ("--time-scale", args.time_scale),
+                                         ("--max-input-tokens", args.max_input_tokens),
+                                         ("--max-output-tokens", args.max_output_tokens)) if value is not None]
+    if reshaped:      # the fleets get the trace as written; write the slice you want to a file of its own
+        raise ValueError(f"--validate of a P:D fleet replays the trace as written: {', '.join(reshaped)} not taken")
     repeats = args.repeat
     trace = read_mooncake(args.trace)
     requests = args.max_requests or len(trace) // repeats
     if requests < 1:
         raise ValueError(f"{args.trace} holds {len(trace)} requests, fewer than --repeat {repeats}")
-    output_len = args.max_output_tokens or max(r.output_length for r in trace)
+    output_len = max(r.output_length for r in trace)
     if "redis" not in cost.source:
         print("note: this profile's store link was not timed against Redis, the fleets' store "
               "(`kvstrata calibrate --threads 1 --store redis://HOST:PORT/0`)")
