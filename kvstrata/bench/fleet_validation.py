@@ -3,11 +3,14 @@ colocated engines on this machine (kvstrata.bench.fleets), each driven through i
 trace, beside what the simulator predicts for both on that trace.
 
 The simulator is set up as the real engines run: their default block size, batch budget, step-time
-target and KV memory, the store unbounded (one Redis, 2 GB, holds the traces this runs), the colocated
-router's policy, and steps and store transfers from the profile (a calibration of this machine with
---threads as the engines have and --store on Redis: `kvstrata calibrate --threads 1 --store redis://..`).
-With `repeats`, the real fleets replay the trace's next slice of `requests` each time (`kvstrata bench
-serve --repeats`) and the simulator replays each slice on its own; both pool the slices' requests.
+target and KV memory, the store unbounded (one Redis, 2 GB, holds the traces this runs), the router's
+policy (over the colocated engines, or the prefill engines), steps and store transfers from the profile
+(a calibration of this machine with --threads as the engines have and --store on Redis: `kvstrata
+calibrate --threads 1 --store redis://..`), and this machine's cores shared between the engines with a
+serving overhead an earlier run measured (`SimConfig.host_cores`, `serving_overhead`). It is fed what
+the fleets are fed, on one clock: the bench's warm-up requests, then each repeat's slice of `requests`
+(`kvstrata bench serve --repeats` takes the trace's next slice each time) once the one before has
+ended, so caches and the step-time fit carry over as in the engines; both sides pool the slices.
 
 Compared, for each fleet and for their ratio (disaggregated / colocated): TTFT p50 and p99, TPOT p99,
 ITL p99 and output throughput, with the simulator's relative error (simulated / measured - 1).
@@ -30,11 +33,11 @@ from kvstrata.sim.simulator import RequestRecord, SimConfig, SimResult
 from kvstrata.sim.splits import replay_layouts
 from kvstrata.sim.traces import TraceRequest, read_mooncake
 
-# (label, the bench summary's key, its statistic (None: a scalar), the simulator's key)
+# (label, the key in the bench's summary and in `pooled`'s figures, its statistic (None: a scalar))
 FIGURES = (("TTFT p50 ms", "ttft_ms", "p50"), ("TTFT p99 ms", "ttft_ms", "p99"), ("TPOT p99 ms", "tpot_ms", "p99"),
            ("ITL p99 ms", "itl_ms", "p99"), ("output tok/s", "output_throughput", None))
 GOAL = 0.10         # the simulator's target relative error (issue 31)
-SLICE_GAP_S = 600.0                               # simulated seconds from one slice's start to the next's
+SLICE_GAP_S = 600.0  # simulated seconds from one slice's start to the next's (more if a slice outlasts it)
 
 
 def engine_like_config(cost: CostModel, policy: str, local_prefill_tokens: int, host_cores: float | None = None,
