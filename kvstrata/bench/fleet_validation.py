@@ -53,14 +53,21 @@ def engine_like_config(cost: CostModel, policy: str, local_prefill_tokens: int, 
                      serving_overhead=serving_overhead).validate()
 
 
-def fleet_trace(trace: Path, requests: int, repeats: int, warmups: int, gap_s: float) -> list[TraceRequest]:
-    """What the real fleet is sent, on one clock: the bench's warm-up requests at 0, then each slice of
-    `requests` from its own start, `gap_s` after the one before began (the bench runs a repeat once the
-    last one has ended and the cores are quiet)."""
-    held = len(read_mooncake(trace))
-    if held < repeats * requests:
-        raise ValueError(f"{trace} holds {held} requests: {repeats} repeats of {requests} need {repeats * requests}")
-    slices = [read_mooncake(trace, requests, skip=r * requests) for r in range(repeats)]
+def read_slices(trace: Path, requests: int, repeats: int) -> list[list[TraceRequest]]:
+    """The trace's first `repeats` slices of `requests`, each from its own start (as the bench replays them)."""
+    held = read_mooncake(trace)
+    if len(held) < repeats * requests:
+        raise ValueError(f"{trace} holds {len(held)} requests: {repeats} repeats of {requests} need "
+                         f"{repeats * requests}")
+    slices = [held[r * requests:(r + 1) * requests] for r in range(repeats)]
+    return [[dataclasses.replace(request, arrival=request.arrival - part[0].arrival) for request in part]
+            for part in slices]
+
+
+def fleet_trace(slices: list[list[TraceRequest]], warmups: int, gap_s: float) -> list[TraceRequest]:
+    """What the real fleet is sent, on one clock: the bench's warm-up requests at 0, then each slice
+    `gap_s` after the one before began (the bench runs a repeat once the last one has ended and the
+    cores are quiet)."""
     unused = 1 + max(i for part in slices for request in part for i in request.hash_ids)
     out = [TraceRequest(0.0, WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, (unused + w,)) for w in range(warmups)]
     for r, part in enumerate(slices):
@@ -73,10 +80,9 @@ def simulate_slices(trace: Path, requests: int, repeats: int, config: SimConfig,
     """Both fleets fed as the real ones are (`fleet_trace`: each engine's caches and step-time fit carry
     over from the warm-up and from one repeat to the next, as a real engine's do), figures pooled over
     the slices: the figures of FIGURES, in the bench's units."""
-    gap_s = SLICE_GAP_S
+    slices, gap_s = read_slices(trace, requests, repeats), SLICE_GAP_S
     while True:
-        fed = fleet_trace(trace, requests, repeats, warmups, gap_s)
-        layouts = replay_layouts(fed, config, cost, [(prefill, decode)])
+        layouts = replay_layouts(fleet_trace(slices, warmups, gap_s), config, cost, [(prefill, decode)])
         if all(apart(layout.result, warmups, requests, repeats) for layout in layouts):
             return {kind: pooled(layout.result, warmups, requests, repeats) for kind, layout in zip(KINDS, layouts)}
         gap_s *= 4                      # a slice outlasted the gap: space them further apart
@@ -177,6 +183,6 @@ def comparison_table(report: dict) -> str:
     if measured:
         lines.append(f"shared cores: {config['host_cores']:g} for the engines' threads, serving overhead "
                      f"{config['serving_overhead']:.2f} simulated; this run's fleets used "
-                     + " and ".join(f"{value:.2f} ({kind})" for kind, value in measured.items())
+                     + " and ".join(f"{used:.2f} ({kind})" for kind, used in measured.items())
                      + " (--serving-overhead for the next run)")
     return "\n".join(lines)

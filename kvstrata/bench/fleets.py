@@ -138,10 +138,19 @@ def run_fleet(spec: FleetSpec, trace: Path, requests: int, output_len: int, out:
                 asyncio.run(wait_mapped(Target(url, url)))
             return _measure(spec, processes, router, trace, requests, output_len, out, repeats, patience)
         finally:
-            for process in processes.values():
-                process.terminate()
-            for process in processes.values():
-                process.wait(timeout=60)
+            stop(list(processes.values()))
+
+
+def stop(processes: list[subprocess.Popen], grace_s: float = 60.0) -> None:
+    """Terminate each process, and kill any still running after `grace_s`: nothing of a fleet outlives it."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _measure(spec: FleetSpec, processes: dict[str, subprocess.Popen], router: str, trace: Path, requests: int,
@@ -152,7 +161,8 @@ def _measure(spec: FleetSpec, processes: dict[str, subprocess.Popen], router: st
     client = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run([sys.executable, "-m", "kvstrata", "bench", "serve", "--base-url", router, "--label", spec.kind,
                     "--workload", f"trace:{trace}", "--output-len", str(output_len), "--num-requests", str(requests),
-                    "--repeats", str(repeats), "--warmup-requests", str(WARMUP_REQUESTS), "--output", str(out / spec.kind),
+                    "--repeats", str(repeats), "--warmup-requests", str(WARMUP_REQUESTS),
+                    "--output", str(out / spec.kind),
                     "--no-progress", "--timeout", "600", "--patience", str(patience)],
                    check=True, stdout=subprocess.DEVNULL)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

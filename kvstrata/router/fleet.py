@@ -121,7 +121,8 @@ class RouterMetrics:
         self.handoffs = Counter("kvstrata_router_handoffs", "Requests under --pd-disaggregation by outcome "
                                 "(handed_over: prefill then decode; prefilled_locally: a prompt of at most "
                                 "--local-prefill-tokens new tokens, prefilled by its decode engine; fell_back: served "
-                                "colocated on a decode engine; client_gone: the client left)", ["outcome"], registry=self.registry)
+                                "colocated on a decode engine; client_gone: the client left)", ["outcome"],
+                                registry=self.registry)
         self.fallbacks = Counter("kvstrata_router_handoff_fallbacks", "Requests served colocated instead of handed "
                                  "over, by reason", ["reason"], registry=self.registry)
         self.aborts = Counter("kvstrata_router_handoff_aborts", "Clients gone during a handoff, by phase (prefill, "

@@ -164,6 +164,27 @@ def test_request_to_an_engine_not_yet_found_dead_is_sent_to_another(smollm2):
     assert metrics[f'kvstrata_router_requests_total{{engine="{live}",outcome="ok"}}'] == 2
 
 
+def test_timelines_come_from_the_engines_that_keep_them_and_not_from_those_down(smollm2):
+    """One engine keeps a timeline, one answers 404 (it keeps none, as a peer), one is down: the router
+    answers with the first's, marked with its URL, and without failing on the other two."""
+    from tests.entrypoints.server_helpers import free_port
+
+    keeping = fake_engine("ok")
+    timeline = {"arrival": 1.0, "finished": 2.0, "received": 0.9, "first_sent": 1.5, "last_sent": 2.0, "spans": []}
+
+    @keeping.get("/v1/timelines")
+    async def timelines():
+        return {"timelines": {"cmpl-a": timeline}}
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with ExitStack() as stack:
+        kept, bare = (stack.enter_context(serving(app)) for app in (keeping, fake_engine("ok")))
+        base, _ = stack.enter_context(running_router([kept, bare, dead], smollm2.tokenizer, wait_for=2))
+        reply = httpx.get(f"{base}/v1/timelines", params=[("id", "cmpl-a"), ("id", "cmpl-b")])
+    assert reply.status_code == 200
+    assert reply.json() == {"timelines": {"cmpl-a": {**timeline, "engine": kept}}}
+
+
 def test_router_health_models_keys_and_refusals(smollm2):
     """Engines with an API key: the router polls with --engine-api-key, passes clients' keys on, and
     relays the engines' answers (401, 400) as they are."""

@@ -175,7 +175,9 @@ def test_engines_sharing_cores_slow_each_others_steps_while_both_compute():
     trace = [TraceRequest(0.0, 1000, 1, (1, 2)), TraceRequest(0.51, 500, 1, (3,))]
 
     def ttfts(**cores) -> list[float]:
-        result = Simulator(trace, SimConfig(block_size=256, instances=2, **cores), fixed_cost()).run()
+        result = Simulator(trace, SimConfig(block_size=256, instances=2, audit=True, **cores), fixed_cost()).run()
+        audit = result.to_json()["audit"]
+        assert audit["steps_audited"] == 2 and audit["device_used_at_end"] == audit["device_in_flight_at_end"] == 0
         return [r.ttft for r in result.records]
 
     assert ttfts() == ttfts(host_cores=2) == pytest.approx([1.01, 0.51], abs=1e-12)

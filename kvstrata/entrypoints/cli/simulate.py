@@ -172,8 +172,9 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                      help="--validate: the slice (plain, the default: a real slice, device cache only; sessions: "
                           "chat sessions shrunk to 32 tokens per hash id, host tier and disk store on; "
                           "speculative, the default with --speculative-config: 10 requests of up to 128 tokens)")
-    out.add_argument("--repeat", type=int, default=1, help="--validate: engine replays per load (the spread is noise); of a P:D fleet, "
-                                                              "the trace's next slice of --max-requests each time")
+    out.add_argument("--repeat", type=int, default=1,
+                     help="--validate: engine replays per load (the spread is noise); of a P:D fleet, the trace's "
+                          "next slice of --max-requests each time")
     return out
 
 
