@@ -21,6 +21,7 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8")
+LOAD_FORMATS = ("auto", "dummy")
 POLICIES = ("fcfs", "priority", "lpm")
 WRITE_POLICIES = ("write_back", "write_through")
 DISAGGREGATION_MODES = ("both", "prefill", "decode")
@@ -67,8 +68,15 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = _opt(None, "GGUF file or Hugging Face folder (config.json + safetensors); "
+    model: str | None = _opt(None, "GGUF file or Hugging Face folder (config.json + safetensors); with "
+                                   "--load-format dummy, a config.json, its folder or a shipped shape "
+                                   "(llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-1.5b, qwen2.5-7b); "
                                    "default: the embedded SmolLM2-135M-Instruct")
+    load_format: str = _opt("auto", "auto: the weights of --model; dummy: seeded random weights at --model's "
+                                    "real shape, for speed measurements (the outputs are noise)", LOAD_FORMATS)
+    tokenizer: str | None = _opt(None, "GGUF file or Hugging Face folder to take the tokenizer and chat template "
+                                       "from (default: the model's own; with --load-format dummy, the embedded "
+                                       "SmolLM2's)")
     dtype: str = _opt("auto", "weight and KV dtype; auto picks the faster one for the device", DTYPES)
     device: str = _opt("auto", "where the model runs; auto takes CUDA when present", DEVICES)
     threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
@@ -86,6 +94,8 @@ class ModelConfig:
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         _require(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        _require(self.load_format in LOAD_FORMATS,
+                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {self.load_format!r}")
         _require(self.threads is None or self.threads >= 1, "threads must be at least 1")
 
 

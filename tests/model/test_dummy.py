@@ -1,0 +1,114 @@
+"""`--load-format dummy`: real shapes from shipped configs, seeded weights, the tokenizer's placeholders.
+
+The shapes are checked against the real models' parameter counts; everything that runs uses a tiny
+config, so the suite never allocates a 1B model (those runs live in benchmarks/).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvstrata.core.config import EngineConfig, ModelConfig
+from kvstrata.model import dummy
+from kvstrata.model.footprint import weight_footprint
+from kvstrata.model.loader import load_model, plan_load
+
+TINY = dict(model_type="llama", vocab_size=50_000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                          "original_max_position_embeddings": 512},
+            rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=49_999)
+
+# Parameter counts as the real models' cards give them, to 0.01B.
+REAL_SIZES = {"llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21, "llama-3.1-8b": 8.03, "qwen2.5-1.5b": 1.54,
+              "qwen2.5-7b": 7.62}
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny-llama" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(REAL_SIZES))
+def test_shipped_shapes_are_the_real_models(name):
+    source = dummy.dummy_source(name)
+    arch = source.arch
+    parameters = sum(torch.Size(shape).numel() for shape in dummy.tensor_shapes(arch).values())
+    assert round(parameters / 1e9, 2) == REAL_SIZES[name]
+    assert weight_footprint(arch, torch.bfloat16, "none", torch.device("cpu")).parameters == parameters - sum(
+        shape[0] for key, shape in dummy.tensor_shapes(arch).items() if "norm" in key or key.endswith("bias"))
+    assert arch.attention_bias == name.startswith("qwen")
+    assert (arch.rope_scaling or {}).get("rope_type") == ("llama3" if name.startswith("llama") else None)
+
+
+def test_each_tensor_depends_on_its_name_and_seed_alone():
+    shape = (32, 16)
+    first = dummy.dummy_tensor("model.layers.0.mlp.up_proj.weight", shape)
+    dummy.dummy_tensor("model.layers.0.mlp.gate_proj.weight", shape)            # another draw in between
+    assert torch.equal(dummy.dummy_tensor("model.layers.0.mlp.up_proj.weight", shape), first)
+    assert not torch.equal(dummy.dummy_tensor("model.layers.0.mlp.gate_proj.weight", shape), first)
+    assert not torch.equal(dummy.dummy_tensor("model.layers.0.mlp.up_proj.weight", shape, seed=1), first)
+    assert first.std().item() == pytest.approx(16 ** -0.5, rel=0.2)            # fan-in scaled
+    assert torch.equal(dummy.dummy_tensor("model.norm.weight", (8,)), torch.ones(8))
+
+
+def test_a_config_path_or_folder_loads_and_names_the_model(tiny_config):
+    for model in (str(tiny_config), str(tiny_config.parent)):
+        source = dummy.dummy_source(model)
+        assert source.name == "tiny-llama" and source.arch.vocab_size == 50_000
+
+
+@pytest.mark.parametrize("model, message", [
+    (None, "needs --model"), ("llama-9b", "shipped config"), ("/nowhere/config.json", "shipped config")])
+def test_bad_dummy_models_are_user_errors(model, message):
+    with pytest.raises(ValueError, match=message):
+        dummy.dummy_source(model)
+
+
+def test_a_shipped_name_without_dummy_says_which_flag(tmp_path):
+    with pytest.raises(ValueError, match="--load-format dummy"):
+        plan_load(ModelConfig(model="llama-3.2-1b"))
+
+
+def test_dummy_model_decodes_finite_logits_with_the_default_tokenizer(tiny_config):
+    """bf16, 200 positions: the weights keep activations finite; ids past SmolLM2's 49,152 tokens
+    decode as placeholders; the stop token is the tokenizer's, not the config's."""
+    loaded = load_model(ModelConfig(model=str(tiny_config), load_format="dummy", dtype="bfloat16", device="cpu"))
+    assert loaded.folder is None and loaded.eos_token_ids == (2,)
+    assert len(loaded.tokenizer) == 50_000
+    assert loaded.tokenizer.decode([49_999, 5], skip_special_tokens=True).startswith("<|id_49999|>")
+    logits = loaded.model.prefill_alone(list(range(100, 300)))
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_dummy_weights_have_a_fingerprint_of_their_own(tiny_config, tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(TINY, num_hidden_layers=2)))
+    fingerprints = {load_model(ModelConfig(model=str(path), load_format="dummy", device="cpu")).fingerprint
+                    for path in (tiny_config, other)}
+    assert len(fingerprints) == 2
+    again = load_model(ModelConfig(model=str(tiny_config), load_format="dummy", device="cpu"))
+    assert again.fingerprint in fingerprints
+
+
+def test_greedy_outputs_with_every_cache_feature_on_equal_those_with_it_off(tiny_config):
+    from kvstrata.core.sampling_params import SamplingParams
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    loaded = load_model(ModelConfig(model=str(tiny_config), load_format="dummy", dtype="float32", device="cpu"))
+    prompts = [list(range(1000, 1000 + 40 + 8 * i)) for i in range(4)] * 2        # repeats hit the cache
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def outputs(**options) -> list[list[int]]:
+        engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, num_device_blocks=24, block_size=4,
+                                                     **options), loaded=loaded)
+        return [out.new_token_ids for prompt in prompts for out in engine.generate([prompt], params)]
+
+    on = outputs(enable_prefix_caching=True, num_host_blocks=32)
+    assert on == outputs(enable_prefix_caching=False) and len(on) == len(prompts)
