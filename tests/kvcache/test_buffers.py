@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
+from tests.model.model_helpers import cuda_only
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 
@@ -77,7 +78,7 @@ def test_tier_copies_move_blocks_both_ways_and_only_gpu_to_cpu_waits_for_the_str
     assert not needs_sync_before_cpu_read(cpu, gpu) and not needs_sync_before_cpu_read(cpu, cpu)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@cuda_only
 def test_gpu_to_pinned_host_copies_are_complete_before_the_cpu_reads_them():
     """A non-blocking device->host copy read without waiting could store stale KV with a valid checksum."""
     from kvstrata.kvcache.mover import TierBuffers, host_cache

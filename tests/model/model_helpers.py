@@ -20,6 +20,12 @@ def slow_without_native_bf16(test):
     return test if machine().native_bf16 else pytest.mark.slow(test)
 
 
+def cuda_only(test):
+    """For a test of the CUDA paths: skipped without a CUDA device (CI has none);
+    `benchmarks/device_check.py` runs them on a GPU machine with `-m cuda`."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
 @dataclass
 class Seq:
     """One sequence's tokens and the (deliberately arbitrary) blocks holding its KV."""
