@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 PEERS = Path(__file__).resolve().parent
-CONFIGS = PEERS.parents[1] / "kvstrata" / "model" / "configs"
+CONFIGS = PEERS.parents[1] / "kvstrata" / "core" / "shape_configs"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 

@@ -282,12 +282,14 @@ class Calibration:
 
 
 def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = None, clock: str = "cpu",
-              trace: str | Path | None = None, slices: tuple[str, ...] = (), store: str = "disk") -> Calibration:
-    """Fit a profile to the default model on this machine: the grid, and `slices` of `trace` if named;
-    the store link is `store`'s (see `_store_link`)."""
+              trace: str | Path | None = None, slices: tuple[str, ...] = (), store: str = "disk",
+              model: str | None = None, load_format: str = "auto") -> Calibration:
+    """Fit a profile to `model` (default: the embedded one; `load_format` dummy: its real shape with random
+    weights) on this machine: the grid, and `slices` of `trace` if named; the store link is `store`'s
+    (see `_store_link`)."""
     from kvstrata.engine.llm_engine import LLMEngine
 
-    config = EngineConfig.from_options(block_size=BLOCK_SIZE, kv_cache_memory="512MiB", max_model_len=4096,
+    config = EngineConfig.from_options(model=model, load_format=load_format, block_size=BLOCK_SIZE, kv_cache_memory="512MiB", max_model_len=4096,
                                        max_num_batched_tokens=MAX_CHUNK, max_num_seqs=64, threads=threads,
                                        num_host_blocks=32, max_tpot_ms=0)   # a step-time target would cut
     # the grid's prefill by what each step measured, so two passes would schedule different batches
@@ -303,7 +305,8 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
                    store_link=store_link, record_link=record_link, decode_link=decode_link,
                    decode_in_place=recorder.runner.decodes_in_place,
-                   machine={**current_machine().as_dict(), "dtype": str(engine.loaded.dtype).removeprefix("torch.")},
+                   machine={**current_machine().as_dict(), "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+                            "model": engine.loaded.name},
                    source=(f"calibrated on {machine or current_machine().describe()}, {datetime.date.today().isoformat()}, model "
                            f"{engine.loaded.name} ({engine.loaded.dtype}, {threads or 'default'} threads), "
                            f"{len(shapes)} grid steps x {repeat} runs{' + trace slices ' + ','.join(slices) if slices else ''}"

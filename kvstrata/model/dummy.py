@@ -5,7 +5,7 @@ token, KV bytes per token), never on the values of its weights, and no weights b
 SmolLM2 can be had on this machine. So, as vLLM and SGLang benchmark with `--load-format dummy`,
 kvstrata builds any supported architecture from its real `config.json` with seeded random weights:
 
-- `--model` names one of the real configs shipped in `configs/` (`llama-3.2-1b`, `llama-3.1-8b`,
+- `--model` names one of the real configs shipped in `kvstrata/core/shape_configs/` (`llama-3.2-1b`, `llama-3.1-8b`,
   ...: vocabulary, GQA, tied embeddings, RoPE scaling and biases as the real models have them), a
   `config.json`, or a folder holding one.
 - Every tensor comes from its own generator, seeded by the seed and the tensor's name, in float32,
@@ -30,10 +30,8 @@ from pathlib import Path
 
 import torch
 
+from kvstrata.core.shapes import SHAPES_DIR, SHIPPED_SHAPES
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
-
-CONFIGS_DIR = Path(__file__).parent / "configs"
-SHIPPED_CONFIGS = tuple(sorted(p.stem for p in CONFIGS_DIR.glob("*.json")))
 EMBEDDING_STD = 0.02
 BIAS_STD = 0.02
 _MISSING = object()
@@ -56,10 +54,10 @@ class DummySource:
 def dummy_source(model: str | None) -> DummySource:
     """A shipped config by name, a `config.json` path, or a folder holding one; ValueError otherwise."""
     if not model:
-        raise ValueError("--load-format dummy needs --model: one of " + ", ".join(SHIPPED_CONFIGS)
+        raise ValueError("--load-format dummy needs --model: one of " + ", ".join(SHIPPED_SHAPES)
                          + ", a config.json or a folder holding one")
-    if model in SHIPPED_CONFIGS:
-        path, name = CONFIGS_DIR / f"{model}.json", model
+    if model in SHIPPED_SHAPES:
+        path, name = SHAPES_DIR / f"{model}.json", model
     else:
         path = Path(model).expanduser()
         if path.is_dir():
@@ -68,7 +66,7 @@ def dummy_source(model: str | None) -> DummySource:
             name = path.parent.name if path.name == "config.json" else path.stem
         if not path.is_file():
             raise ValueError(f"--load-format dummy: {model!r} is neither a shipped config ("
-                             f"{', '.join(SHIPPED_CONFIGS)}) nor a config.json or a folder holding one")
+                             f"{', '.join(SHIPPED_SHAPES)}) nor a config.json or a folder holding one")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

@@ -39,6 +39,7 @@ from transformers import AutoTokenizer
 
 from kvstrata.core.config import ModelConfig, cache_dir
 from kvstrata.core.machine import machine
+from kvstrata.core.shapes import SHIPPED_SHAPES
 from kvstrata.model import dummy, gguf_convert, kernels
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
 from kvstrata.model.compiled import compile_layers
@@ -206,7 +207,7 @@ def _model_folder(model: str | None) -> tuple[Path, str, list[tuple[str, str]]]:
             raise ValueError(f"{path} has no config.json (an HF model folder needs config.json "
                              "and *.safetensors)")
         return path, path.name, [(f.name, file_sha256(f)) for f in _safetensors_files(path)]
-    hint = f"; add --load-format dummy to run {model!r} with random weights" if model in dummy.SHIPPED_CONFIGS else ""
+    hint = f"; add --load-format dummy to run {model!r} with random weights" if model in SHIPPED_SHAPES else ""
     raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a folder "
                      f"(config.json + *.safetensors){hint}")
 

@@ -67,7 +67,8 @@ class CostModel:
                                                  # more than an encode (docs/design/simulator.md)
     fitted_on: tuple[dict, ...] = ()             # what a calibrated profile was fitted to (see calibrate)
     decode_in_place: bool = False                # the engine fitted on read blocks in place (decodes, prefill chunks)
-    machine: dict | None = None                  # a calibrated profile's CPU (kvstrata.core.machine) and engine dtype
+    machine: dict | None = None                  # a calibrated profile's CPU (kvstrata.core.machine), engine dtype
+                                                 # and model (none: SmolLM2, which profiles fitted before naming it)
 
     def __post_init__(self) -> None:
         if len(self.compute) != len(FEATURES) or len(self.memory) != len(FEATURES):

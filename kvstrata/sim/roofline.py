@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstrata.core.shapes import SHIPPED_SHAPES, parameter_count, shipped_config
 from kvstrata.sim.cost_model import CostModel, Link
 
 
@@ -66,9 +67,20 @@ HARDWARE: dict[str, Hardware] = {
                           flops_efficiency=0.3, bandwidth_efficiency=0.5, step_overhead_s=0.001),
 }
 
+def _shipped(name: str) -> ModelSpec:
+    """A shape of kvstrata.core.shapes (the one `--load-format dummy --model NAME` serves), in bf16."""
+    config = shipped_config(name)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    return ModelSpec(f"{name} (GQA {heads}/{kv_heads} heads, {config['num_hidden_layers']} layers), bf16",
+                     parameter_count(config), config["num_hidden_layers"], heads, kv_heads,
+                     config.get("head_dim") or config["hidden_size"] // heads)
+
+
 MODELS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec("Llama-3-8B (GQA 32/8 heads, 32 layers), bf16", 8.03e9, 32, 32, 8, 128),
     "smollm2-135m": ModelSpec("SmolLM2-135M (GQA 9/3 heads, 30 layers), bf16", 134.5e6, 30, 9, 3, 64),
+    **{name: _shipped(name) for name in SHIPPED_SHAPES},
 }
 
 

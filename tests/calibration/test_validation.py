@@ -202,3 +202,9 @@ def test_validate_takes_the_newest_profile_of_this_machine(tmp_path, monkeypatch
     assert calibrate_cli.profile_for_this_machine() == tmp_path / "c.json"
     assert calibrate_cli.machine_profile_path().parent == tmp_path
     assert str(here.cores) + "core" in calibrate_cli.machine_profile_path().name
+    # A profile of another model on this machine is never taken for SmolLM2's, nor the reverse.
+    one_b = {**here.as_dict(), "dtype": "bfloat16", "model": "llama-3.2-1b"}
+    _profile(fitted_on=[{"kind": "grid", "time": "2026-12-05T01:00:00+00:00"}], machine=one_b).save(tmp_path / "d.json")
+    assert calibrate_cli.profile_for_this_machine() == tmp_path / "c.json"
+    assert calibrate_cli.profile_for_this_machine("llama-3.2-1b") == tmp_path / "d.json"
+    assert calibrate_cli.machine_profile_path("llama-3.2-1b").name.endswith("-llama-3.2-1b.json")

@@ -131,6 +131,15 @@ def test_roofline_decode_is_bound_by_weights_and_kv_and_prefill_by_flops():
     assert "roofline: h100" in h100.source and h100.device_cache_tokens > 300_000
 
 
+def test_the_shipped_shapes_are_priced_on_the_roofline():
+    """`--model llama-3.2-1b` is the shape `--load-format dummy` serves: 1.24B parameters, 32 KiB of KV a token."""
+    small, large = roofline("h100", "llama-3.2-1b"), roofline("h100", "llama-3.1-8b")
+    assert small.kv_bytes_per_token == 2 * 16 * 8 * 64 * 2 and large.kv_bytes_per_token == 131072
+    decode = BatchShape(0, 1, 1000, 0)
+    assert small.step_seconds(decode) < large.step_seconds(decode)
+    assert "llama-3.2-1b (GQA 32/8 heads, 16 layers)" in small.source
+
+
 # ---- the simulator ------------------------------------------------------------------------------
 def test_two_requests_by_hand():
     """A: 1024 prompt tokens at t=0, 3 outputs. B: A's 4 blocks + 2 more at t=10, 2 outputs (block 256).

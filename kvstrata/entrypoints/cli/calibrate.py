@@ -4,6 +4,7 @@
                                                                               (benchmarks/profiles/, named by it)
     kvstrata calibrate --trace T --fit-slices plain                           fit a slice too (then refused)
     kvstrata calibrate --repeat 1 --store redis://127.0.0.1:6390/0 --output p.json     the store link of a Redis
+    kvstrata calibrate --load-format dummy --model llama-3.2-1b                 a real shape (dummy weights)
 
 How the engine is run and timed (`add_engine_timing`) is shared with `kvstrata simulate --validate`,
 which must time it the same way.
@@ -16,22 +17,24 @@ import json
 from pathlib import Path
 
 PROFILES = Path("benchmarks/profiles")
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"      # what profiles written before they named their model were fitted to
 
 
-def machine_profile_path() -> Path:
-    """Where `calibrate` writes this machine's profile by default: named by its CPU, cores and ISA, so
-    a profile fitted on another CPU is never overwritten nor taken for this one's."""
+def machine_profile_path(model: str = DEFAULT_MODEL) -> Path:
+    """Where `calibrate` writes this machine's profile of `model` by default: named by its CPU, cores and
+    ISA, so a profile fitted on another CPU is never overwritten nor taken for this one's."""
     from kvstrata.core.machine import machine as current_machine
 
     here = current_machine()
     isa = "-".join(flag.replace("_", "") for flag in here.isa if flag not in ("avx2", "fma")) or "avx2"
     cpu = "-".join(here.cpu.lower().split()[:2])
-    return PROFILES / f"{cpu}-{here.cores}core-{isa}-smollm2.json"
+    name = "smollm2" if model == DEFAULT_MODEL else model.lower()
+    return PROFILES / f"{cpu}-{here.cores}core-{isa}-{name}.json"
 
 
-def profile_for_this_machine() -> Path | None:
-    """The newest profile in benchmarks/profiles calibrated on a machine of this kind (CPU, cores,
-    ISA: `CostModel.other_machine`), or None: what `simulate --validate` times the engine against
+def profile_for_this_machine(model: str = DEFAULT_MODEL) -> Path | None:
+    """The newest profile of `model` in benchmarks/profiles calibrated on a machine of this kind (CPU,
+    cores, ISA: `CostModel.other_machine`), or None: what `simulate --validate` times the engine against
     when no --profile is given."""
     from kvstrata.core.machine import machine as current_machine
 
@@ -41,7 +44,8 @@ def profile_for_this_machine() -> Path | None:
             profile = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if (profile.get("machine") or {}).get("kind") == kind:
+        fitted = profile.get("machine") or {}
+        if fitted.get("kind") == kind and fitted.get("model", DEFAULT_MODEL) == model:
             found.append((max((f.get("time", "") for f in profile.get("fitted_on", ())), default=""), path.name, path))
     return max(found)[2] if found else None
 
@@ -71,6 +75,11 @@ def add_calibrate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--trace", type=Path, default=None, help="a Mooncake trace to fit --fit-slices of")
     parser.add_argument("--fit-slices", default="", help="comma-separated validation slices (plain, sessions) to "
                                                          "replay and fit too; validation then refuses them")
+    parser.add_argument("--model", default=None, help="the model to fit (as `kvstrata serve --model`; default: the "
+                                                      "embedded SmolLM2)")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: --model's real shape with random weights (llama-3.2-1b, ...): a profile of a "
+                             "model whose weights are not here, for `kvstrata simulate --profile`")
     parser.set_defaults(run=run_calibrate)
 
 
@@ -81,9 +90,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     slices = tuple(name for name in args.fit_slices.split(",") if name)
     if set(slices) - set(SLICES):
         raise ValueError(f"--fit-slices takes names of {', '.join(SLICES)}, not {args.fit_slices!r}")
+    if args.trace is not None and (args.model or args.load_format != "auto"):
+        raise ValueError("--trace replays slices on the default model only; drop --model / --load-format")
     calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock,
-                            trace=args.trace, slices=slices, store=args.store)
-    output = args.output or machine_profile_path()
+                            trace=args.trace, slices=slices, store=args.store, model=args.model,
+                            load_format=args.load_format)
+    output = args.output or machine_profile_path(calibration.model.machine["model"])
     calibration.save(output)
     print(calibration.report())
     print(f"profile written to {output}: {calibration.model.source}")
