@@ -27,16 +27,12 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from servers import BIN, PEERS, ROOT, THREADS, Server, peer_env
 
-ROOT = Path(__file__).resolve().parents[1]
-PEERS = ROOT / "benchmarks" / "peers"
 VENVS = PEERS / "venvs"
-BIN = Path(sys.executable).parent
-THREADS = 2
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 logger = logging.getLogger("run_all")
@@ -163,50 +159,6 @@ def offline(out: Path, sizes: Sizes, hf_folder: str, gguf: str, patience: float)
 # ---- served -------------------------------------------------------------------------------------
 KVSTRATA_SERVE = ("--max-num-seqs", "64", "--kv-cache-memory", "2GiB", "--threads", str(THREADS))
 VLLM_SERVE = ("--max-num-seqs", "64", "--enable-prompt-tokens-details")   # the latter: cached_tokens in usage
-
-
-def peer_env() -> dict[str, str]:
-    cache = "/tmp/kvstrata-peers-cache"
-    return {"OMP_NUM_THREADS": str(THREADS), "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "auto",
-            "VLLM_CACHE_ROOT": f"{cache}/vllm", "HF_HOME": f"{cache}/hf", "XDG_CACHE_HOME": f"{cache}/xdg",
-            "MPLCONFIGDIR": f"{cache}/mpl", "HF_HUB_OFFLINE": "1"}
-
-
-@dataclass
-class Server:
-    label: str
-    port: int
-    command: list[str]
-    process: subprocess.Popen | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, log: Path) -> None:
-        logger.info("starting %s: %s", self.label, " ".join(self.command))
-        with open(log, "w") as out:
-            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                            env={**os.environ, **peer_env()})
-
-    def wait_ready(self, timeout: float = 900) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.label} exited with {self.process.returncode} while starting")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return round(time.monotonic() - start, 1)
-            time.sleep(1)
-        raise RuntimeError(f"{self.label} not ready after {timeout}s")
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
 
 
 def servers(dtype: str) -> list[Server]:

@@ -1,0 +1,180 @@
+"""More conversations than device KV holds: each turn's TTFT when the working set is 4x the device cache.
+
+    .venv/bin/python benchmarks/many_conversations.py                      # llama-3.2-1b, 24 x ~2,000 tokens
+    .venv/bin/python benchmarks/many_conversations.py --conversations 6 --context 300 --systems kvstrata
+
+Where the tiers pay: a 1B model recomputes a 2,000-token context in ~13 s on two cores, and reads its KV
+(64 MiB) back from host memory or the disk in well under a second. `--conversations` conversations,
+each over its own `--context`-token context, one request at a time: first every conversation's first
+turn, then `--revisits` turns that go back to them in random order (each conversation equally often),
+each turn its whole history (the context, every earlier question and answer) and a new question,
+streamed, a fixed-length answer. The answers are the same tokens for every system (a client sends its
+text back), so each turn's prompt extends the last. Every system has device KV for about a quarter of
+the working set (`--device-share`):
+- `kvstrata`: that device cache, a host tier of `--host-share` of the working set and the disk store below;
+- `kvstrata-no-tiers`: the device cache alone (prefix caching on);
+- `llama-server`: `-c` of that many tokens, as its users start it (`-np 16 -kvu`; its host-memory prompt
+  cache, `--cache-ram`, 8 GiB by default, is on), on a GGUF of kvstrata's dummy weights (`--gguf-type`);
+- `vllm`: `--kv-cache-memory-bytes` of that size, prefix caching on (it has no tier below).
+Printed per system: revisits' TTFT p50 / p99 / mean, the cached share of their prompt tokens (the
+server's usage; llama-server and vLLM report it too), first turns' mean TTFT, and the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import servers
+from kvstrata.bench.client import Target
+from kvstrata.bench.loadgen import wait_mapped
+from kvstrata.bench.quiet import wait_quiet
+from kvstrata.core.machine import machine
+from kvstrata.core.shapes import shipped_config
+from resume_after_restart import ask
+
+SYSTEMS = ("kvstrata", "kvstrata-no-tiers", "llama-server", "vllm")
+PORT = 18660
+QUESTION, ANSWER = 24, 32
+logger = logging.getLogger("conversations")
+
+
+def turns(conversations: int, context: int, revisits: int, seed: int) -> list[tuple[int, list[int]]]:
+    """(conversation, prompt) of every turn in order: each conversation's first, then the revisits."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]       # noqa: E731
+    history = [ids(context) for _ in range(conversations)]
+    order = list(range(conversations))
+    revisit = [c for _ in range(-(-revisits // conversations)) for c in rng.sample(order, conversations)][:revisits]
+    plan = []
+    for c in order + revisit:
+        history[c] = history[c] + ids(QUESTION)
+        plan.append((c, list(history[c])))
+        history[c] = history[c] + ids(ANSWER)
+    return plan
+
+
+def kv_bytes_per_token(shape: str) -> int:
+    """bf16 K and V of every layer (llama-server's F16 cache is the same size)."""
+    c = shipped_config(shape)
+    heads = c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * (c.get("num_key_value_heads") or heads) * \
+        (c.get("head_dim") or c["hidden_size"] // heads) * 2
+
+
+def make_server(name: str, args: argparse.Namespace, scratch: Path, device_bytes: int, host_bytes: int,
+                device_tokens: int) -> servers.Server:
+    if name == "kvstrata":
+        return servers.kvstrata(name, PORT, "--kv-cache-memory", str(device_bytes), "--host-cache-memory",
+                                str(host_bytes), "--store", "disk", "--store-path", str(scratch / "store"),
+                                shape=args.shape)
+    if name == "kvstrata-no-tiers":
+        return servers.kvstrata(name, PORT, "--kv-cache-memory", str(device_bytes), shape=args.shape)
+    if name == "llama-server":
+        return servers.llama_server(name, PORT, shape=args.shape, gguf_type=args.gguf_type, ctx=device_tokens)
+    return servers.vllm(name, PORT, shape=args.shape, kv_bytes=device_bytes)
+
+
+def run_system(name: str, args: argparse.Namespace, plan: list[tuple[int, list[int]]], out: Path,
+               sizes: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"conversations-{name}-") as scratch:
+        server = make_server(name, args, Path(scratch), sizes["device_bytes"], sizes["host_bytes"],
+                             sizes["device_tokens"])
+        figures: dict = {"system": name}
+        try:
+            server.start(out / f"conversations-{name}.log")
+            figures["start_s"] = server.wait_ready()
+            asyncio.run(ask(server, list(range(2000, 2016)), 4))             # the warm-up
+            if name.startswith("kvstrata"):
+                asyncio.run(wait_mapped(Target(name, server.url)))
+            figures["busy_before"] = wait_quiet(args.patience, name)
+            begin = time.perf_counter()
+            figures["turns"] = []
+            for index, (conversation, prompt) in enumerate(plan):
+                result = asyncio.run(ask(server, prompt, ANSWER))
+                figures["turns"].append({"conversation": conversation, **result})
+                logger.info("%s turn %d/%d (conversation %d, %d tokens): TTFT %.2f s, %s cached", name, index + 1,
+                            len(plan), conversation, len(prompt), result["ttft_s"], result["cached_tokens"])
+            figures["wall_s"] = round(time.perf_counter() - begin, 1)
+        finally:
+            server.stop()
+    figures.update(summary(figures["turns"], args.conversations))
+    logger.info("%s: %s", name, json.dumps({k: v for k, v in figures.items() if k != "turns"}))
+    return figures
+
+
+def summary(done: list[dict], conversations: int) -> dict:
+    revisits = done[conversations:]
+    ttft = sorted(t["ttft_s"] for t in revisits)
+    cached = [t["cached_tokens"] for t in revisits]
+    return {"first_turn_ttft_mean_s": round(statistics.mean(t["ttft_s"] for t in done[:conversations]), 3),
+            "revisit_ttft_p50_s": round(statistics.median(ttft), 3),
+            "revisit_ttft_p99_s": round(ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))], 3),
+            "revisit_ttft_mean_s": round(statistics.mean(ttft), 3),
+            "revisit_cached_share": None if None in cached else
+            round(sum(cached) / sum(t["prompt_tokens"] for t in revisits), 3)}
+
+
+def table(results: list[dict]) -> str:
+    off = next((r for r in results if r["system"] == "kvstrata-no-tiers"), None)
+    lines = ["| system | revisit TTFT p50 s | p99 s | mean s | p99 x no tiers | cached share | first turns s "
+             "| wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        ratio = f"{r['revisit_ttft_p99_s'] / off['revisit_ttft_p99_s']:.2f}" if off else "-"
+        share = "?" if r["revisit_cached_share"] is None else f"{r['revisit_cached_share']:.1%}"
+        lines.append(f"| {r['system']} | {r['revisit_ttft_p50_s']:.2f} | {r['revisit_ttft_p99_s']:.2f} | "
+                     f"{r['revisit_ttft_mean_s']:.2f} | {ratio} | {share} | {r['first_turn_ttft_mean_s']:.2f} | "
+                     f"{r['wall_s']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.2-1b", help="the dummy shape every system serves")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--context", type=int, default=2000, help="tokens of each conversation's own context")
+    parser.add_argument("--revisits", type=int, default=48, help="turns after every conversation's first")
+    parser.add_argument("--device-share", type=float, default=0.25, help="device KV, as a share of the working set")
+    parser.add_argument("--host-share", type=float, default=0.5, help="kvstrata's host tier, likewise")
+    parser.add_argument("--gguf-type", default="q8_0", choices=("bf16", "q8_0", "q4_0"), help="llama-server's weights")
+    parser.add_argument("--patience", type=float, default=120, help="seconds to wait for other jobs to leave the cores")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("conversations-%Y%m%d-%H%M%S"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    names = [n for n in args.systems.split(",") if n]
+    if unknown := set(names) - set(SYSTEMS):
+        parser.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = turns(args.conversations, args.context, args.revisits, args.seed)
+    per_token = kv_bytes_per_token(args.shape)
+    working_set = sum(max(len(p) for c2, p in plan if c2 == c) for c in range(args.conversations)) + ANSWER
+    device_tokens = int(working_set * args.device_share)
+    sizes = {"working_set_tokens": working_set, "device_tokens": device_tokens,
+             "device_bytes": device_tokens * per_token, "host_bytes": int(working_set * args.host_share) * per_token}
+    logger.info("working set %d tokens (%.0f MiB); device KV %d tokens (%.0f MiB)", working_set,
+                working_set * per_token / 2**20, device_tokens, sizes["device_bytes"] / 2**20)
+    results = [run_system(name, args, plan, args.out, sizes) for name in names]
+    report = {"machine": machine().describe(), "shape": args.shape, "conversations": args.conversations,
+              "context": args.context, "revisits": args.revisits, "gguf_type": args.gguf_type, **sizes,
+              "results": results}
+    (args.out / "conversations.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"machine: {report['machine']}\nshape {args.shape}: {args.conversations} conversations of {args.context} "
+          f"tokens, {args.revisits} revisits; working set {working_set} tokens, device KV {device_tokens} tokens "
+          f"({args.device_share:.0%}); llama-server on {args.gguf_type}\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
