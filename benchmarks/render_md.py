@@ -286,6 +286,8 @@ def render(results: Path, current: Path) -> str:
         for name, data in served:
             if data:
                 lines += serve_section(name, data) + [""]
+    if (results / "shapes.md").is_file():                  # benchmarks/real_shapes.py: a real shape, dummy weights
+        lines += (results / "shapes.md").read_text().splitlines() + [""]
     lines += ["## Where we lose, and why", "", NOTES_BEGIN, notes or "(analysis to be written)", NOTES_END]
     head = ["# Benchmarks", "",
             "One section per machine kind, each with its date: the fastest path differs by CPU (AVX2, AVX-512, "

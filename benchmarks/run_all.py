@@ -13,7 +13,9 @@ at the end of the run (`probe`), so the tables say how much the host's speed mov
 Served: kvstrata with prefix caching on, kvstrata with it off, and vLLM serve side by side; for
 each workload (shared-prefix, multi-turn, shared-prefix with at most 16 requests in flight, and
 both again with every arrival at once, to measure throughput)
-`kvstrata bench serve` alternates them on the same request sequence. Peers are
+`kvstrata bench serve` alternates them on the same request sequence. Then the offline cases and the
+shared-prefix workload again at llama-3.2-1b's shape with dummy weights, beside vLLM, llama.cpp and
+llama-server (benchmarks/real_shapes.py). Peers are
 never kvstrata dependencies: they live in benchmarks/peers/venvs (git-ignored).
 """
 
@@ -192,7 +194,7 @@ def served(out: Path, sizes: Sizes, dtype: str, patience: float) -> dict[str, fl
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the pipeline")
-    parser.add_argument("--only", choices=("offline", "serve"), default=None)
+    parser.add_argument("--only", choices=("offline", "serve", "shapes"), default=None)
     parser.add_argument("--render", metavar="RESULTS", default=None, help="only rewrite BENCHMARKS.md from RESULTS")
     parser.add_argument("--patience", type=float, default=180,
                         help="seconds each timed repeat may wait for other jobs to leave the cores (default: 180)")
@@ -225,6 +227,9 @@ def main() -> int:
         offline(out, sizes, str(default_model_folder()), str(default_model_path()), args.patience)
     if args.only in (None, "serve"):
         facts["server_start_s"] = served(out, sizes, serve_dtype, args.patience)
+    if args.only in (None, "shapes"):         # the same cases at llama-3.2-1b's shape, llama-server beside
+        run([sys.executable, str(ROOT / "benchmarks" / "real_shapes.py"), "--out", str(out), "--patience",
+             str(args.patience), *(["--quick"] if args.quick else [])], out / "shapes.log", timeout=3 * 3600)
     probe(out, "end", sizes, serve_dtype)
     facts.update(load_after=os.getloadavg(), minutes=round((time.monotonic() - begin) / 60, 1),
                  versions=peer_versions())

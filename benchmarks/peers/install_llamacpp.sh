@@ -12,7 +12,7 @@ has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
 export CMAKE_BUILD_PARALLEL_LEVEL=2
 export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) \
 -DGGML_F16C=$(has f16c) -DGGML_BMI2=$(has bmi2) -DGGML_AVX_VNNI=$(has avx_vnni) -DGGML_AVX512=$(has avx512f) \
--DGGML_AVX512_VBMI=$(has avx512_vbmi) -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16) \
+-DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16) \
 -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 echo "CMAKE_ARGS=$CMAKE_ARGS" | tee "$V/cmake_args.txt"
 nice -n 10 "$V/bin/pip" install --quiet --no-cache-dir "llama-cpp-python[server]==0.3.36"
