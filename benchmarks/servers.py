@@ -87,10 +87,8 @@ def kvstrata(label: str, port: int, *flags: str, shape: str | None = None) -> Se
 
 def vllm(label: str, port: int, *flags: str, shape: str | None = None, kv_bytes: int = 4 * 1024**3) -> Server:
     """vLLM's CPU build on the default model's HF folder, or on `shape` with its own dummy weights; `kv_bytes`
-    of KV cache, allocated at start-up (`--kv-cache-memory-bytes`; VLLM_CPU_KVCACHE_SPACE, whole GiB only,
-    would override it, so it is set empty)."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": ""}
-    flags = ("--kv-cache-memory-bytes", str(kv_bytes), *flags)
+    of KV cache, allocated at start-up (`--kv-cache-memory-bytes`, through serve_vllm.sh's KV_BYTES)."""
+    env = {"KV_BYTES": str(kv_bytes)}
     if shape:
         folder = subprocess.run([sys.executable, str(PEERS / "dummy_model_dir.py"), "--model", shape], check=True,
                                 stdout=subprocess.PIPE, text=True).stdout.strip()

@@ -10,14 +10,20 @@
 # VLLM_CPU_KVCACHE_SPACE is GiB of KV cache, allocated at start-up on top of the weights: 4 GiB holds 186k
 # tokens of SmolLM2, 131k of llama-3.2-1b (32 KiB/token), whose bf16 weights are 2.5 GB: 9.6 GiB RSS in all
 # (8.3 in the worker) on a 24 GiB machine. Lower it for the 7B/8B shapes (15-16 GB of bf16 weights).
-# Set VLLM_CPU_KVCACHE_SPACE empty (not unset) to size the cache with --kv-cache-memory-bytes instead: the
-# variable, when set, overrides the flag.
+# KV_BYTES sizes it in bytes instead (--kv-cache-memory-bytes): VLLM_CPU_KVCACHE_SPACE is then unset, since it
+# overrides the flag when set (and an empty one crashes vLLM's workers).
 # NAME is the model name clients send (default SmolLM2-135M-Instruct), MAX_MODEL_LEN the context (default 2048).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 PORT=${1:?usage: serve_vllm.sh PORT [vllm serve args]}; shift
 MODEL_DIR=${MODEL_DIR:-$("$PEERS_DIR/../../.venv/bin/python" "$PEERS_DIR/export_hf.py")}
-export OMP_NUM_THREADS=${THREADS:-2} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE-4} VLLM_CPU_OMP_THREADS_BIND=auto
+export OMP_NUM_THREADS=${THREADS:-2} VLLM_CPU_OMP_THREADS_BIND=auto
+if [ -n "${KV_BYTES:-}" ]; then
+    unset VLLM_CPU_KVCACHE_SPACE
+    set -- --kv-cache-memory-bytes "$KV_BYTES" "$@"
+else
+    export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
+fi
 # The `vllm` CLI looks up the distribution "vllm" (this one is "vllm-cpu") and fails; the module does not.
 exec "$VENVS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
     --served-model-name "${NAME:-SmolLM2-135M-Instruct}" \
