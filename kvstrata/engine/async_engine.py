@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 from kvstrata.core.outputs import RequestOutput
 from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.engine.heap_trim import HeapTrimmer
 from kvstrata.engine.kv_events import EngineLoad, KVEventLog, KVEventRecorder
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import Prompt, PromptEncoder
@@ -66,6 +67,7 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self._heap = HeapTrimmer()                      # freed memory back to the OS, once a minute
         self.error: BaseException | None = None
 
     def start(self) -> AsyncLLMEngine:
@@ -160,6 +162,7 @@ class AsyncLLMEngine:
                 changed = self._drain_commands()
                 if self._stop.is_set():
                     return
+                self._heap.tick()
                 if engine.has_work:
                     for out in engine.step():
                         self._deliver(out)

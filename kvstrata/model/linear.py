@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvstrata.model.onednn import bound_kernel_caches
+
 PACK_ROWS_HINT = 16
 
 
@@ -62,6 +64,7 @@ class PackedLinear:
     @classmethod
     def from_dense(cls, dense: DenseLinear, min_rows: int = 1) -> PackedLinear:
         assert can_pack(dense.weight), "oneDNN packs float32 / bfloat16 CPU weights"
+        bound_kernel_caches()           # before oneDNN's first kernel (kvstrata.model.onednn)
         packed = torch.ops.mkldnn._reorder_linear_weight(dense.weight, PACK_ROWS_HINT)
         return cls(packed, dense.bias, dense.nbytes, min_rows)
 

@@ -1,0 +1,71 @@
+"""HeapTrimmer: glibc's malloc_trim once per interval, on the thread that ticks it (kvstrata.engine.heap_trim)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import sys
+import threading
+
+import pytest
+
+from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.engine import async_engine
+from kvstrata.engine.async_engine import AsyncLLMEngine
+from kvstrata.engine.heap_trim import TRIM_INTERVAL, HeapTrimmer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_it_trims_once_per_interval_from_construction():
+    clock, calls = Clock(), []
+    heap = HeapTrimmer(interval=60.0, clock=clock, trim=lambda pad: calls.append(pad) or 1)
+    assert not heap.tick()                  # not before a whole interval
+    clock.now += 59.9
+    assert not heap.tick()
+    clock.now += 0.1
+    assert heap.tick() and calls == [0]     # malloc_trim(0): keep no padding at the heap's top
+    assert not heap.tick()
+    clock.now += 59.0
+    assert not heap.tick()
+    clock.now += 120.0                      # an engine that was away long trims once, not once per interval missed
+    assert heap.tick() and not heap.tick()
+    assert heap.trims == len(calls) == 2
+
+
+def test_without_malloc_trim_it_does_nothing():
+    clock = Clock()
+    heap = HeapTrimmer(interval=1.0, clock=clock)
+    heap._trim = None                       # musl, macOS
+    clock.now += 10
+    assert not heap.tick() and heap.trims == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(None), "malloc_trim"),
+                    reason="glibc only")
+def test_glibc_trims_for_real():
+    clock = Clock()
+    heap = HeapTrimmer(clock=clock)
+    clock.now += TRIM_INTERVAL
+    assert heap.tick() and heap.trims == 1
+
+
+def test_the_engine_thread_ticks_it(make_engine, monkeypatch):
+    ticked_on = []
+    monkeypatch.setattr(async_engine.HeapTrimmer, "tick",
+                        lambda self: ticked_on.append(threading.current_thread().name))
+    engine = AsyncLLMEngine(make_engine()).start()
+    try:
+        async def main():
+            return [o async for o in engine.generate("Hi", SamplingParams(max_tokens=2))]
+
+        assert asyncio.run(main())[-1].finished
+    finally:
+        engine.shutdown()
+    assert ticked_on and set(ticked_on) == {"kvstrata-engine"}
