@@ -86,8 +86,9 @@ class ModelConfig:
                                 "step; the first start compiles for about a minute, later ones read the cache)")
     batch_invariant: bool = _opt(False, "a bf16/fp16 model's greedy outputs independent of batching and "
                                         "caching (every row's attention in the paged kernel, norm statistics "
-                                        "in float64; ~1.0x a decode step, 1.4-1.6x a 1-2k-token prefill, no "
-                                        "cascade attention); float32 and int8 are so already")
+                                        "in float64, a lone row padded to two; decode steps and prefills 0.9-1.3x "
+                                        "plain bf16's time, no cascade attention); float32 and int8 are so "
+                                        "already")
 
     def validate(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
