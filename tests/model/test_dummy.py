@@ -97,18 +97,46 @@ def test_dummy_weights_have_a_fingerprint_of_their_own(tiny_config, tmp_path):
     assert again.fingerprint in fingerprints
 
 
-def test_greedy_outputs_with_every_cache_feature_on_equal_those_with_it_off(tiny_config):
+def greedy_with_and_without_caches(loaded, prompts: list[list[int]], block_size: int, device_blocks: int,
+                                   host_blocks: int) -> tuple[list[list[int]], list[list[int]], dict[str, int]]:
+    """Each prompt's greedy tokens asked one after another, every cache on (prefix caching, a host tier below a
+    device pool too small to keep them all: a long prompt between revisits pushes the others down), then every
+    cache off; audited every step. Also the prompt tokens
+    each tier served with the caches on."""
     from kvstrata.core.sampling_params import SamplingParams
     from kvstrata.engine.llm_engine import LLMEngine
 
-    loaded = load_model(ModelConfig(model=str(tiny_config), load_format="dummy", dtype="float32", device="cpu"))
-    prompts = [list(range(1000, 1000 + 40 + 8 * i)) for i in range(4)] * 2        # repeats hit the cache
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
-    def outputs(**options) -> list[list[int]]:
-        engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, num_device_blocks=24, block_size=4,
-                                                     **options), loaded=loaded)
-        return [out.new_token_ids for prompt in prompts for out in engine.generate([prompt], params)]
+    def outputs(**options) -> tuple[list[list[int]], dict[str, int]]:
+        engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, num_device_blocks=device_blocks,
+                                                     block_size=block_size, **options), loaded=loaded)
+        done = [out.new_token_ids for prompt in prompts for out in engine.generate([prompt], params)]
+        rest = engine.tiers.audit()
+        assert all(c.used == 0 and c.in_flight == 0 for c in rest.values()), f"blocks held at rest: {rest}"
+        return done, dict(engine.tiers.stats.hit_tokens)
 
-    on = outputs(enable_prefix_caching=True, num_host_blocks=32)
-    assert on == outputs(enable_prefix_caching=False) and len(on) == len(prompts)
+    on, hits = outputs(enable_prefix_caching=True, num_host_blocks=host_blocks)
+    return on, outputs(enable_prefix_caching=False)[0], hits
+
+
+def test_greedy_outputs_with_every_cache_feature_on_equal_those_with_it_off(tiny_config):
+    loaded = load_model(ModelConfig(model=str(tiny_config), load_format="dummy", dtype="float32", device="cpu"))
+    shared = list(range(1000, 1040))
+    prompts = [shared + list(range(3000, 3008)), shared + list(range(4000, 4008)), list(range(6000, 6060))] * 2
+    on, off, hits = greedy_with_and_without_caches(loaded, prompts, block_size=4, device_blocks=24, host_blocks=32)
+    assert on == off and len(on) == len(prompts)
+    assert hits["device"] > 0 and hits["host"] > 0, hits
+
+
+@pytest.mark.slow
+def test_the_1b_shape_serves_the_same_greedy_tokens_with_every_cache_on_and_off():
+    """The real llama-3.2-1b shape (GQA, llama3 RoPE scaling, tied 128k vocabulary) in float32: prefixes
+    served from the device and the host tier give the tokens a recompute gives."""
+    loaded = load_model(ModelConfig(model="llama-3.2-1b", load_format="dummy", dtype="float32", device="cpu"))
+    shared = list(range(2000, 2000 + 96))
+    prompts = [shared + list(range(5000, 5010)), shared + list(range(6000, 6010)), list(range(8000, 8150))] * 2
+    on, off, hits = greedy_with_and_without_caches(loaded, prompts, block_size=16, device_blocks=12, host_blocks=64)
+    assert on == off and len(on) == len(prompts)
+    assert hits["device"] > 0 and hits["host"] > 0, hits
+    assert all(0 <= token < loaded.arch.vocab_size for tokens in on for token in tokens)
