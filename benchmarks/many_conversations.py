@@ -80,7 +80,7 @@ def make_server(name: str, args: argparse.Namespace, scratch: Path, device_bytes
         return servers.kvstrata(name, PORT, "--kv-cache-memory", str(device_bytes), shape=args.shape)
     if name == "llama-server":
         return servers.llama_server(name, PORT, shape=args.shape, gguf_type=args.gguf_type, ctx=device_tokens)
-    return servers.vllm(name, PORT, shape=args.shape, kv_bytes=device_bytes)
+    return servers.vllm(name, PORT, shape=args.shape, kv_bytes=device_bytes, max_model_len=device_tokens)
 
 
 def run_system(name: str, args: argparse.Namespace, plan: list[tuple[int, list[int]]], out: Path,

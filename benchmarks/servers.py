@@ -85,14 +85,16 @@ def kvstrata(label: str, port: int, *flags: str, shape: str | None = None) -> Se
                                 "--port", str(port), *flags])
 
 
-def vllm(label: str, port: int, *flags: str, shape: str | None = None, kv_bytes: int = 4 * 1024**3) -> Server:
+def vllm(label: str, port: int, *flags: str, shape: str | None = None, kv_bytes: int = 4 * 1024**3,
+         max_model_len: int | None = None) -> Server:
     """vLLM's CPU build on the default model's HF folder, or on `shape` with its own dummy weights; `kv_bytes`
-    of KV cache, allocated at start-up (`--kv-cache-memory-bytes`, through serve_vllm.sh's KV_BYTES)."""
+    of KV cache, allocated at start-up (`--kv-cache-memory-bytes`, through serve_vllm.sh's KV_BYTES). vLLM
+    refuses to start unless one request of `max_model_len` tokens fits that cache."""
     env = {"KV_BYTES": str(kv_bytes)}
     if shape:
         folder = subprocess.run([sys.executable, str(PEERS / "dummy_model_dir.py"), "--model", shape], check=True,
                                 stdout=subprocess.PIPE, text=True).stdout.strip()
-        env.update(MODEL_DIR=folder, NAME=shape, MAX_MODEL_LEN=os.environ.get("VLLM_MAX_MODEL_LEN", "16384"))
+        env.update(MODEL_DIR=folder, NAME=shape, MAX_MODEL_LEN=str(max_model_len or os.environ.get("VLLM_MAX_MODEL_LEN", "16384")))
         flags = ("--load-format", "dummy", *flags)
     return Server(label, port, [str(PEERS / "serve_vllm.sh"), str(port), "--enable-prompt-tokens-details", *flags],
                   env)
