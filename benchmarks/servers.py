@@ -94,7 +94,8 @@ def vllm(label: str, port: int, *flags: str, shape: str | None = None, kv_bytes:
     if shape:
         folder = subprocess.run([sys.executable, str(PEERS / "dummy_model_dir.py"), "--model", shape], check=True,
                                 stdout=subprocess.PIPE, text=True).stdout.strip()
-        env.update(MODEL_DIR=folder, NAME=shape, MAX_MODEL_LEN=str(max_model_len or os.environ.get("VLLM_MAX_MODEL_LEN", "16384")))
+        context = max_model_len or os.environ.get("VLLM_MAX_MODEL_LEN", "16384")
+        env.update(MODEL_DIR=folder, NAME=shape, MAX_MODEL_LEN=str(context))
         flags = ("--load-format", "dummy", *flags)
     return Server(label, port, [str(PEERS / "serve_vllm.sh"), str(port), "--enable-prompt-tokens-details", *flags],
                   env)

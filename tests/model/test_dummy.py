@@ -101,8 +101,7 @@ def greedy_with_and_without_caches(loaded, prompts: list[list[int]], block_size:
                                    host_blocks: int) -> tuple[list[list[int]], list[list[int]], dict[str, int]]:
     """Each prompt's greedy tokens asked one after another, every cache on (prefix caching, a host tier below a
     device pool too small to keep them all: a long prompt between revisits pushes the others down), then every
-    cache off; audited every step. Also the prompt tokens
-    each tier served with the caches on."""
+    cache off; audited every step. Also the prompt tokens each tier served with the caches on."""
     from kvstrata.core.sampling_params import SamplingParams
     from kvstrata.engine.llm_engine import LLMEngine
 
