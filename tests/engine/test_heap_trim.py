@@ -69,3 +69,17 @@ def test_the_engine_thread_ticks_it(make_engine, monkeypatch):
     finally:
         engine.shutdown()
     assert ticked_on and set(ticked_on) == {"kvstrata-engine"}
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc's mallinfo2 (2.33+)")
+def test_heap_stats_see_a_held_allocation_in_use_and_its_release():
+    from kvstrata.engine.heap_trim import heap_stats
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    before = heap_stats()
+    held = libc.malloc(64 << 20)
+    assert heap_stats().in_use - before.in_use >= 64 << 20
+    libc.free(held)
+    assert heap_stats().in_use - before.in_use < 8 << 20

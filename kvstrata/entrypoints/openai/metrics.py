@@ -10,12 +10,14 @@ own registry, so several can live in one process (tests).
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstrata.engine.heap_trim import heap_stats
 from kvstrata.engine.snapshots import STEP_BUCKETS, EngineSnapshot
 from kvstrata.kvcache.block_pool import BlockState
 
@@ -81,6 +83,7 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("kvstrata_store_load_seconds", "Seconds spent waiting for store loads",
                                   value=stats.load_seconds)
         yield CounterMetricFamily("kvstrata_audit_failures", "audit() failures", value=run.audit_failures)
+        yield from _heap()
         yield CounterMetricFamily("kvstrata_step_failures", "Engine steps that raised (their requests ended with "
                                   "an error, their blocks released)", value=run.step_failures)
         yield CounterMetricFamily("kvstrata_engine_steps", "Engine steps", value=run.steps)
@@ -130,6 +133,20 @@ class EngineCollector(Collector):
         for position, value in enumerate(run.spec_decode_num_accepted_tokens_per_pos):
             per_pos.add_metric([self.model_name, str(position)], value)
         yield per_pos
+
+
+def _heap():
+    """Where resident memory goes beyond the KV buffers: malloc's bytes in use and free (glibc), and the
+    Python objects alive (pymalloc blocks). A long run that grows one of these says which kind it is."""
+    stats = heap_stats()
+    if stats is not None:
+        heap = GaugeMetricFamily("kvstrata_heap_bytes", "glibc malloc's bytes: in_use (handed out) and free (held "
+                                 "in its heaps, not returned to the OS)", labels=["kind"])
+        heap.add_metric(["in_use"], stats.in_use)
+        heap.add_metric(["free"], stats.free)
+        yield heap
+    yield GaugeMetricFamily("kvstrata_python_allocated_blocks", "Python's allocated memory blocks "
+                            "(sys.getallocatedblocks): objects alive", value=sys.getallocatedblocks())
 
 
 def _by_label(name: str, documentation: str, label: str, values: dict[str, int]) -> CounterMetricFamily:

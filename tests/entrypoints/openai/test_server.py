@@ -213,6 +213,7 @@ def test_concurrent_streams_with_disconnects_leak_nothing(server):
     metrics = scrape(base)
     assert metrics['kvstrata_requests_finished_total{model_name="SmolLM2-135M-Instruct",outcome="abort"}'] >= 1
     assert metrics["kvstrata_audit_failures_total"] == 0
+    assert metrics['kvstrata_heap_bytes{kind="in_use"}'] > 0 and metrics["kvstrata_python_allocated_blocks"] > 0
 
 
 def test_predicted_outputs_change_nothing_but_the_usage(client):
