@@ -43,6 +43,7 @@ from soak_traffic import EXPECTED_4XX, MODEL, Outcome, Traffic
 logger = logging.getLogger("soak")
 PROBES = ["The three oldest families of the harbour were", "A ledger of 1623 lists", "Maps of the coast show"]
 TAKEN_OUT = re.compile(r"^(\S+ \S+) WARNING kvstrata\.router\.fleet: engine (\S+) taken out: (.*)$")
+BACK_IN = re.compile(r"^(\S+ \S+) INFO kvstrata\.router\.fleet: engine (\S+) is in ")
 GRACE_S = 10.0                 # after a fault's window, failures are still its own (retries, health checks)
 
 
@@ -94,8 +95,9 @@ def classify(outcome: Outcome, windows: list[Window], queue_full: list[tuple[flo
     attributed to the fault whose window (plus GRACE_S) it overlaps, else 'unexplained'.
 
     A router answers 503 "no engine is available" while every engine behind it is out, and it takes out
-    an engine that answered 503 at capacity until its next health check: within `queue_full` (a burst
-    past the queue, or a router taking an engine out for its 503, plus GRACE_S) that is a 503 by queue."""
+    an engine that answered 503 at capacity until a health check brings it back in: within `queue_full` (a
+    burst past the queue, or an engine out for its 503 until it was back in, plus GRACE_S) that is a 503 by
+    queue."""
     if outcome.kind in EXPECTED_4XX:
         if outcome.status == EXPECTED_4XX[outcome.kind]:
             return f"4xx {outcome.kind[4:]}"
@@ -114,14 +116,21 @@ def classify(outcome: Outcome, windows: list[Window], queue_full: list[tuple[flo
     return "unexplained " + (f"{outcome.status}" if outcome.status else outcome.error.split(":")[0])
 
 
-def take_outs(logs: list[Path]) -> list[tuple[float, str, str]]:
-    """(wall-clock time, engine, reason) of each time a router took an engine out, from the routers' logs."""
+def take_outs(logs: list[Path], until: float) -> list[tuple[float, float, str, str]]:
+    """(taken out, back in or `until`, engine, reason) of each time a router took an engine out, from the
+    routers' logs (wall-clock times)."""
     found = []
     for log in logs:
+        out: dict[str, tuple[float, str]] = {}
         for line in log.read_text(errors="replace").splitlines():
-            if match := TAKEN_OUT.match(line):
+            if match := TAKEN_OUT.match(line) or BACK_IN.match(line):
                 when = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                found.append((when, match.group(2), match.group(3)))
+                if match.re is TAKEN_OUT:
+                    out[match.group(2)] = (when, match.group(3))
+                elif match.group(2) in out:
+                    since, reason = out.pop(match.group(2))
+                    found.append((since, when, match.group(2), reason))
+        found += [(since, until, url, reason) for url, (since, reason) in out.items()]
     return sorted(found)
 
 
@@ -232,8 +241,9 @@ def main() -> int:
 
 
 def summarize(args, fleet, traffic, windows, samples, rest, probes, origin, traffic_s, exits) -> dict:
-    outcomes, taken_out = traffic.outcomes, take_outs([fleet.processes[name].log for name in ("router", "pd-router")])
-    bursts = traffic.bursts_at + [(when, when) for when, _, reason in taken_out if reason == "it answered 503"]
+    outcomes = traffic.outcomes
+    taken_out = take_outs([fleet.processes[name].log for name in ("router", "pd-router")], time.time())
+    bursts = traffic.bursts_at + [(since, back) for since, back, _, reason in taken_out if reason == "it answered 503"]
     by_cause = Counter(classify(o, windows, bursts) for o in outcomes)
     examples: dict[str, list[str]] = {}
     for outcome in outcomes:
@@ -263,8 +273,9 @@ def summarize(args, fleet, traffic, windows, samples, rest, probes, origin, traf
             slopes[name] and slopes[name]["per_min"] < args.max_rss_slope for name in Fleet.ENGINES)
     return {"minutes": args.minutes, "traffic_s": round(traffic_s, 1), "seed": args.seed, "clients": args.clients,
             "requests": len(outcomes), "bursts": [round(start - origin, 1) for start, _ in traffic.bursts_at],
-            "router_take_outs": dict(Counter(reason.split(":")[0] for _, _, reason in taken_out)),
-            "router_take_out_times": [(round(when - origin, 1), url, reason[:80]) for when, url, reason in taken_out],
+            "router_take_outs": dict(Counter(reason.split(":")[0] for _, _, _, reason in taken_out)),
+            "router_take_out_times": [(round(since - origin, 1), round(back - origin, 1), url, reason[:80])
+                                      for since, back, url, reason in taken_out],
             "by_cause": dict(by_cause.most_common()), "examples": examples, "faults": per_fault,
             "at_rest": rest, "rss_slope": slopes, "engine_memory_slope": inside, "warmup_s": warmup, "probes": probes,
             "probes_changed": changed, "exit_codes": exits, "checks": checks, "ok": all(checks.values()),
@@ -294,6 +305,8 @@ def print_report(report: dict, out: Path) -> None:
     print(f"\n{report['requests']} requests in {report['traffic_s']:.0f} s, by outcome:")
     for cause, n in report["by_cause"].items():
         print(f"  {n:>6}  {cause}")
+        if cause.startswith("unexplained"):
+            print("".join(f"            {example}\n" for example in report["examples"][cause]), end="")
     print(f"routers took an engine out: {report['router_take_outs']} ({len(report['bursts'])} bursts past the queue)")
     print("faults (requests overlapping each window):")
     for name, fault in report["faults"].items():

@@ -144,10 +144,10 @@ class Fleet:
         fleet_router, pd_router = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
         processes["router"] = Process("router", [*kvstrata, "router", "--port", str(port), "--policy", "kv_aware",
                                                  "--engine", urls["engine0"], "--engine", urls["engine1"],
-                                                 "--log-level", "WARNING"], fleet_router, log("router"))
+                                                 "--log-level", "INFO"], fleet_router, log("router"))
         processes["pd-router"] = Process("pd-router", [*kvstrata, "router", "--port", str(port + 1),
                                                        "--pd-disaggregation", "--prefill", urls["prefill"],
-                                                       "--decode", urls["decode"], "--log-level", "WARNING"],
+                                                       "--decode", urls["decode"], "--log-level", "INFO"],
                                          pd_router, log("pd-router"))
         return cls(processes, redis_url, disk, fleet_router, pd_router, sizes)
 

@@ -10,6 +10,16 @@ pages however deep in a heap they lie (madvise), so RSS follows what is in use; 
 it are in docs/design/model.md. A trim took 1-5 ms on the busy 2-core EPYC: once a minute, it
 is ~0.01% of a busy engine's time, and the pages it released cost a page fault when reused.
 
+Trims alone left the 30-minute soak (benchmarks/soak.py, BENCHMARKS.md) growing 0.5-2.3 MiB a minute,
+malloc's bytes in use flat and its free bytes rising. glibc serves a request of at least its mmap
+threshold with a mapping of its own, returned whole on free; but the threshold starts at 128 KiB and
+rises to the size of every such mapping freed, up to 32 MiB, so after the first steps a step's
+activations, logits and store records of every size are carved from the heaps, and the long-lived
+small chunks allocated between them pin their pages. `pin_mmap_threshold` fixes the threshold at
+MMAP_THRESHOLD before the server starts (an operator's MALLOC_MMAP_THRESHOLD_ wins): big transient
+buffers never enter the heaps, and RSS between trims swung ~10 MiB instead of 50-115 MiB under the
+soak's traffic. What it costs a step (a mapping and its page faults per big buffer) is measured there.
+
 Where the C library has no `malloc_trim` (musl, macOS) nothing happens. `heap_stats` reads glibc's
 own figures (mallinfo2) for /metrics, so a long run tells a leak (bytes in use growing) from
 fragmentation (free bytes growing) from memory outside malloc (RSS growing with neither).
@@ -18,11 +28,28 @@ fragmentation (free bytes growing) from memory outside malloc (RSS growing with 
 from __future__ import annotations
 
 import ctypes
+import os
 import time
+from collections.abc import Mapping
 from collections.abc import Callable
 from dataclasses import dataclass
 
 TRIM_INTERVAL = 60.0        # seconds between trims, busy or idle (see the docstring for the cost)
+MMAP_THRESHOLD = 4 << 20    # bytes: a request this big or bigger gets a mapping of its own
+M_MMAP_THRESHOLD = -3       # mallopt's parameter number (glibc's malloc.h)
+
+
+def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD, environ: Mapping[str, str] = os.environ) -> bool:
+    """Fix glibc's mmap threshold at `threshold` (it stops rising); whether it was set here. An operator's
+    MALLOC_MMAP_THRESHOLD_ wins; nothing happens without glibc's mallopt."""
+    if "MALLOC_MMAP_THRESHOLD_" in environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
 
 class HeapTrimmer:

@@ -12,7 +12,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.append(str(BENCHMARKS))
 
-from soak import classify, slope  # noqa: E402
+from soak import classify, slope, take_outs  # noqa: E402
 from soak_faults import SCHEDULE, Window  # noqa: E402
 from soak_traffic import Outcome  # noqa: E402
 
@@ -34,6 +34,17 @@ def test_an_outcome_counts_as_what_the_client_meant_or_as_the_fault_whose_window
     no_engine = Outcome("chat", "fleet", 300, 301, 503, '{"error":{"message":"no engine is available; retry later"')
     assert classify(no_engine, [window], queue_full=[(295.0, 295.0)]) == "503 queue"
     assert classify(no_engine, [window], queue_full=[(200.0, 210.0)]) == "unexplained 503"
+
+
+def test_an_engine_is_out_from_its_take_out_to_its_return_or_the_end_of_the_run(tmp_path):
+    log = tmp_path / "router.log"
+    log.write_text("2026-12-05 10:00:00,000 WARNING kvstrata.router.fleet: engine http://a taken out: it answered 503\n"
+                   "2026-12-05 10:00:01,000 INFO kvstrata.router.fleet: engine http://b is in (0 cached blocks)\n"
+                   "2026-12-05 10:00:14,500 INFO kvstrata.router.fleet: engine http://a is in (3 cached blocks)\n"
+                   "2026-12-05 10:00:20,000 WARNING kvstrata.router.fleet: engine http://b taken out: ReadError: x\n")
+    (a, b) = take_outs([log], until=1e12)
+    assert a[1] - a[0] == pytest.approx(14.5) and a[2:] == ("http://a", "it answered 503")
+    assert b[1] == 1e12 and b[2:] == ("http://b", "ReadError: x")      # never back: out to the end
 
 
 def test_the_memory_slope_is_fitted_on_the_last_incarnation_after_the_warm_up():

@@ -83,3 +83,38 @@ def test_heap_stats_see_a_held_allocation_in_use_and_its_release():
     assert heap_stats().in_use - before.in_use >= 64 << 20
     libc.free(held)
     assert heap_stats().in_use - before.in_use < 8 << 20
+
+
+MMAP_SCRIPT = """
+import ctypes, sys
+sys.path.insert(0, {root!r})
+from kvstrata.engine.heap_trim import _MallInfo2, pin_mmap_threshold
+pinned = pin_mmap_threshold(1 << 20, environ={{}}) if {pin!r} else False
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = _MallInfo2
+libc.free(libc.malloc(8 << 20))          # freeing a mapped 8 MiB raises glibc's own threshold past it
+before = libc.mallinfo2().hblks
+held = libc.malloc(2 << 20)
+print(pinned, libc.mallinfo2().hblks - before)    # 1 if the 2 MiB got a mapping of its own
+"""
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc's mallopt and mallinfo2")
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_pinned_mmap_threshold_keeps_big_buffers_out_of_the_heap(pin):
+    import subprocess
+    from pathlib import Path
+
+    script = MMAP_SCRIPT.format(root=str(Path(__file__).resolve().parents[2]), pin=pin)
+    done = subprocess.run([sys.executable, "-c", script], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
+                          text=True, timeout=60, check=True)
+    pinned, mapped = done.stdout.split()
+    assert (pinned, int(mapped)) == (str(pin), int(pin))     # glibc's default carves it from the heap
+
+
+def test_an_operators_malloc_mmap_threshold_wins():
+    from kvstrata.engine.heap_trim import pin_mmap_threshold
+
+    assert pin_mmap_threshold(1 << 20, environ={"MALLOC_MMAP_THRESHOLD_": "131072"}) is False

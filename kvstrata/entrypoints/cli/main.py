@@ -12,6 +12,7 @@ from kvstrata.entrypoints.cli.generate import add_generate
 from kvstrata.entrypoints.cli.router import add_router
 from kvstrata.entrypoints.cli.serve import add_serve
 from kvstrata.entrypoints.cli.simulate import add_simulate
+from kvstrata.engine.heap_trim import pin_mmap_threshold
 from kvstrata.model.onednn import bound_kernel_caches
 
 COMMANDS = [add_generate, add_serve, add_router, add_simulate, add_calibrate, add_bench]
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    pin_mmap_threshold()        # before the first big buffer is freed (kvstrata.engine.heap_trim)
     bound_kernel_caches()       # before any command makes a oneDNN kernel (kvstrata.model.onednn)
     args = build_parser().parse_args(argv)
     args.log_level = getattr(args, "log_level", None) or getattr(args, "default_log_level", "WARNING")
