@@ -243,18 +243,19 @@ def main() -> int:
 def summarize(args, fleet, traffic, windows, samples, rest, probes, origin, traffic_s, exits) -> dict:
     outcomes = traffic.outcomes
     taken_out = take_outs([fleet.processes[name].log for name in ("router", "pd-router")], time.time())
-    bursts = traffic.bursts_at + [(since, back) for since, back, _, reason in taken_out if reason == "it answered 503"]
-    by_cause = Counter(classify(o, windows, bursts) for o in outcomes)
+    queue_full = traffic.bursts_at + [(since, back) for since, back, _, reason in taken_out
+                                      if reason == "it answered 503"]
+    by_cause = Counter(classify(o, windows, queue_full) for o in outcomes)
     examples: dict[str, list[str]] = {}
     for outcome in outcomes:
-        seen = examples.setdefault(classify(outcome, windows, bursts), [])
+        seen = examples.setdefault(classify(outcome, windows, queue_full), [])
         what = f"{outcome.start - origin:.1f} s {outcome.target} {outcome.kind} {outcome.status}: {outcome.error[:100]}"
         if outcome.error and len(seen) < 4 and what not in seen:
             seen.append(what)
     per_fault = {}
     for w in windows:
         end = (w.end or w.start) + GRACE_S
-        inside = Counter(classify(o, [w], bursts) for o in outcomes if o.start <= end and o.end >= w.start)
+        inside = Counter(classify(o, [w], queue_full) for o in outcomes if o.start <= end and o.end >= w.start)
         per_fault[w.fault] = {"start_s": round(w.start - origin, 1), "end_s": round(end - GRACE_S - origin, 1),
                               "detail": w.detail, "requests": dict(inside.most_common())}
     warmup = args.minutes * 60 * WARMUP

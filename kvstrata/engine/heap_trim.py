@@ -16,9 +16,9 @@ threshold with a mapping of its own, returned whole on free; but the threshold s
 rises to the size of every such mapping freed, up to 32 MiB, so after the first steps a step's
 activations, logits and store records of every size are carved from the heaps, and the long-lived
 small chunks allocated between them pin their pages. `pin_mmap_threshold` fixes the threshold at
-MMAP_THRESHOLD before the server starts (an operator's MALLOC_MMAP_THRESHOLD_ wins): big transient
-buffers never enter the heaps, and RSS between trims swung ~10 MiB instead of 50-115 MiB under the
-soak's traffic. What it costs a step (a mapping and its page faults per big buffer) is measured there.
+MMAP_THRESHOLD before the server starts (an operator's MALLOC_MMAP_THRESHOLD_ wins): the soak's engines
+then grew 0.2-1.1 MiB a minute, at ~3% of offline throughput; at 256 KiB a prefill's activations each
+paid a mapping and its page faults (-30%).
 
 Where the C library has no `malloc_trim` (musl, macOS) nothing happens. `heap_stats` reads glibc's
 own figures (mallinfo2) for /metrics, so a long run tells a leak (bytes in use growing) from
@@ -30,8 +30,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from collections.abc import Mapping
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 TRIM_INTERVAL = 60.0        # seconds between trims, busy or idle (see the docstring for the cost)
@@ -42,14 +41,19 @@ M_MMAP_THRESHOLD = -3       # mallopt's parameter number (glibc's malloc.h)
 def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD, environ: Mapping[str, str] = os.environ) -> bool:
     """Fix glibc's mmap threshold at `threshold` (it stops rising); whether it was set here. An operator's
     MALLOC_MMAP_THRESHOLD_ wins; nothing happens without glibc's mallopt."""
-    if "MALLOC_MMAP_THRESHOLD_" in environ:
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = _glibc("mallopt")
+    if "MALLOC_MMAP_THRESHOLD_" in environ or mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, threshold) == 1
+
+
+def _glibc(name: str) -> Callable | None:
+    """The C library's function `name`, or None where it has none (musl, macOS, an older glibc)."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError, TypeError):
+        return None
 
 
 class HeapTrimmer:
@@ -75,11 +79,9 @@ class HeapTrimmer:
 
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim, or None where the C library has none."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim = _glibc("malloc_trim")
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
 
 
@@ -98,9 +100,8 @@ class _MallInfo2(ctypes.Structure):
 
 def heap_stats() -> HeapStats | None:
     """malloc's figures for the whole process (every arena), or None without glibc's mallinfo2 (2.33+)."""
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError, TypeError):
+    mallinfo2 = _glibc("mallinfo2")
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
