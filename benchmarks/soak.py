@@ -44,6 +44,7 @@ logger = logging.getLogger("soak")
 PROBES = ["The three oldest families of the harbour were", "A ledger of 1623 lists", "Maps of the coast show"]
 TAKEN_OUT = re.compile(r"^(\S+ \S+) WARNING kvstrata\.router\.fleet: engine (\S+) taken out: (.*)$")
 BACK_IN = re.compile(r"^(\S+ \S+) INFO kvstrata\.router\.fleet: engine (\S+) is in ")
+BOUNDED_STORES = ("timelines", "kv_events")     # an engine's bounded stores: entries kept / capacity, sampled
 GRACE_S = 10.0                 # after a fault's window, failures are still its own (retries, health checks)
 
 
@@ -84,10 +85,25 @@ def sample(processes: dict[str, Process], origin: float, every_s: float, stop: t
             if process.name in Fleet.ENGINES and (metrics := process.metrics()):
                 point.update(heap_in_use_mib=round(metrics.get('kvstrata_heap_bytes{kind="in_use"}', 0) / 2**20, 1),
                              heap_free_mib=round(metrics.get('kvstrata_heap_bytes{kind="free"}', 0) / 2**20, 1),
-                             python_blocks=metrics.get("kvstrata_python_allocated_blocks", 0))
+                             python_blocks=metrics.get("kvstrata_python_allocated_blocks", 0),
+                             stores=store_fill(metrics))
             samples.append(point)
         if stop.wait(every_s):
             return
+
+
+def store_fill(metrics: dict[str, float]) -> dict[str, list[int]]:
+    """[entries kept, capacity] of each bounded store, from an engine's /metrics."""
+    sample = lambda kind, store: int(metrics.get(f'kvstrata_bounded_store_{kind}{{store="{store}"}}', 0))  # noqa: E731
+    return {store: [sample("entries", store), sample("capacity", store)] for store in BOUNDED_STORES}
+
+
+def full_since(samples: list[dict], name: str) -> dict[str, float | None]:
+    """When each bounded store of an engine's last incarnation was first seen full (None: never)."""
+    own = [s for s in samples if s["process"] == name and "stores" in s]
+    own = [s for s in own if s["incarnation"] == own[-1]["incarnation"]] if own else []
+    return {store: next((s["t"] for s in own if 0 < s["stores"][store][1] <= s["stores"][store][0]), None)
+            for store in BOUNDED_STORES}
 
 
 def classify(outcome: Outcome, windows: list[Window], queue_full: list[tuple[float, float]] = ()) -> str:
@@ -278,7 +294,8 @@ def summarize(args, fleet, traffic, windows, samples, rest, probes, origin, traf
             "router_take_out_times": [(round(since - origin, 1), round(back - origin, 1), url, reason[:80])
                                       for since, back, url, reason in taken_out],
             "by_cause": dict(by_cause.most_common()), "examples": examples, "faults": per_fault,
-            "at_rest": rest, "rss_slope": slopes, "engine_memory_slope": inside, "warmup_s": warmup, "probes": probes,
+            "at_rest": rest, "rss_slope": slopes,
+            "stores_full_since_s": {name: full_since(samples, name) for name in Fleet.ENGINES}, "engine_memory_slope": inside, "warmup_s": warmup, "probes": probes,
             "probes_changed": changed, "exit_codes": exits, "checks": checks, "ok": all(checks.values()),
             "rss_samples": samples}
 
@@ -324,6 +341,9 @@ def print_report(report: dict, out: Path) -> None:
                      f"{inside[key]['last']:.0f})" for key in ("heap_in_use_mib", "heap_free_mib", "python_blocks") if inside.get(key)]
             print(f"  {name:<9} {fitted['per_min']:+6.2f}   {fitted['first']:.0f} -> {fitted['last']:.0f}"
                   f"  ({fitted['samples']} samples)  {'; '.join(parts)}")
+    print("bounded stores first seen full (s; last incarnation): " + "; ".join(
+        f"{name} " + ", ".join(f"{store} {'never' if t is None else f'{t:.0f}'}" for store, t in stores.items())
+        for name, stores in report["stores_full_since_s"].items()))
     print(f"probes: {len(report['probes'])} rounds, changed rounds: {report['probes_changed'] or 'none'}")
     for check, passed in report["checks"].items():
         print(f"  {'ok  ' if passed else 'FAIL'} {check}")

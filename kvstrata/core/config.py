@@ -246,6 +246,8 @@ class ServerConfig:
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1/* (default: open)")
     served_model_name: str | None = _opt(None, "model name clients must send (default: the model's own)")
     max_queue: int = _opt(256, "requests in flight (running or waiting) before new ones get 503")
+    timelines_kept: int = _opt(4096, "timelines of the last requests kept for GET /v1/timelines (each a few KiB; "
+                                     "the oldest is dropped first)")
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
     allowed_origins: str | None = _opt(None, "browser origins allowed to call the API (CORS), comma-separated, "
                                              "or *; default: none (no CORS headers)")
@@ -266,6 +268,7 @@ class ServerConfig:
     def validate(self) -> ServerConfig:
         _require(0 <= self.port <= 65535, f"port must be in 0..65535, not {self.port}")
         _require(self.max_queue >= 1, "max_queue must be at least 1")
+        _require(self.timelines_kept >= 1, "timelines_kept must be at least 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout must not be negative")
         _require(self.otlp_traces_endpoint is None or self.otlp_traces_endpoint.startswith(("http://", "https://")),
                  f"otlp_traces_endpoint must be an http:// or https:// URL, not {self.otlp_traces_endpoint!r}")

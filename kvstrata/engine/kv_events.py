@@ -74,6 +74,13 @@ class KVEventLog:
         self._load = EngineLoad(0, 0)
         self.seq = 0
 
+    @property
+    def capacity(self) -> int:
+        return self._events.maxlen or 0
+
+    def __len__(self) -> int:
+        return len(self._events)
+
     def publish(self, events: list[KVEvent], load: EngineLoad) -> None:
         """The engine thread's batch of one step, and its load after the step."""
         with self._lock:

@@ -12,7 +12,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.append(str(BENCHMARKS))
 
-from soak import classify, slope, take_outs  # noqa: E402
+from soak import classify, full_since, slope, store_fill, take_outs  # noqa: E402
 from soak_faults import SCHEDULE, Window  # noqa: E402
 from soak_traffic import Outcome  # noqa: E402
 
@@ -53,6 +53,21 @@ def test_the_memory_slope_is_fitted_on_the_last_incarnation_after_the_warm_up():
     assert slope(samples, "e", after_s=0)["per_min"] == 0.0          # the restarted process is flat
     assert slope(samples[:20], "e", after_s=300)["per_min"] == pytest.approx(60.0)   # 1 MiB a second
     assert slope(samples, "e", after_s=1190) is None                      # too few samples to say
+
+
+def test_a_bounded_store_is_full_from_its_first_full_sample_of_the_last_incarnation():
+    metrics = {'kvstrata_bounded_store_entries{store="timelines"}': 256.0,
+               'kvstrata_bounded_store_capacity{store="timelines"}': 256.0,
+               'kvstrata_bounded_store_entries{store="kv_events"}': 10.0,
+               'kvstrata_bounded_store_capacity{store="kv_events"}': 65536.0}
+    assert store_fill(metrics) == {"timelines": [256, 256], "kv_events": [10, 65536]}
+    full, filling = store_fill(metrics), {"timelines": [3, 256], "kv_events": [10, 65536]}
+    samples = [{"t": 30, "process": "e", "incarnation": 1, "stores": full},
+               {"t": 60, "process": "e", "incarnation": 2, "stores": filling},
+               {"t": 90, "process": "e", "incarnation": 2, "stores": full},
+               {"t": 120, "process": "e", "incarnation": 2, "stores": full}]
+    assert full_since(samples, "e") == {"timelines": 90, "kv_events": None}
+    assert full_since(samples, "other") == {"timelines": None, "kv_events": None}
 
 
 @pytest.mark.slow      # ~5 min: six processes and Redis start, two minutes of traffic and faults, the fleet stops

@@ -54,14 +54,14 @@ def serving(app, ready: str = "/health"):
 
 @contextmanager
 def running_server(loaded, api_key: str | None = None, max_queue: int = 256, faults=None, allowed_origins=(),
-                   tracing=None, disaggregation_mode: str = "both", **options):
+                   tracing=None, disaggregation_mode: str = "both", timelines_kept: int = 4096, **options):
     """Yield (base_url, engine); on exit, stop the server and the engine thread."""
     options.setdefault("kv_cache_memory", "64MiB")
     engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded, faults=faults)
     async_engine = AsyncLLMEngine(engine, kv_events=True).start()
     try:
         with serving(create_app(async_engine, MODEL, api_key, max_queue, allowed_origins, tracing,
-                                disaggregation_mode)) as base:
+                                disaggregation_mode, timelines_kept)) as base:
             yield base, engine
     finally:
         async_engine.shutdown()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -21,10 +21,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvstrata import __version__
 from kvstrata.engine.async_engine import AsyncLLMEngine
 from kvstrata.entrypoints.openai.errors import ApiError, error_response, validation_message
-from kvstrata.entrypoints.openai.metrics import ServerMetrics
+from kvstrata.entrypoints.openai.metrics import BoundedStores, ServerMetrics
 from kvstrata.entrypoints.openai.responses.routes import responses_router
 from kvstrata.entrypoints.openai.routes import router
 from kvstrata.entrypoints.openai.state import ServerState
+from kvstrata.entrypoints.openai.timelines import TIMELINES_KEPT, TimelineStore
 from kvstrata.entrypoints.openai.tracker import request_log
 
 if TYPE_CHECKING:
@@ -37,17 +38,22 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 256,
                allowed_origins: Sequence[str] = (), tracing: RequestTracing | None = None,
-               disaggregation_mode: str = "both") -> FastAPI:
+               disaggregation_mode: str = "both", timelines_kept: int = TIMELINES_KEPT) -> FastAPI:
     """The HTTP API over a started AsyncLLMEngine. `allowed_origins`: CORS (none: no CORS headers);
     `tracing`: where each finished request's trace goes (None: no tracing; the caller shuts it down);
-    `disaggregation_mode`: the prefill/decode handoffs it takes (kvstrata.entrypoints.openai.handoff)."""
+    `disaggregation_mode`: the prefill/decode handoffs it takes (kvstrata.entrypoints.openai.handoff);
+    `timelines_kept`: how many finished requests' timelines `GET /v1/timelines` can still return."""
     assert engine.info is not None and engine.prompts is not None, "start() the engine before serving it"
     info = engine.info
     app = FastAPI(title="kvstrata", version=__version__)
     metrics = ServerMetrics(lambda: engine.snapshot, info.max_model_len, model_name)
     state = ServerState(engine, model_name, info.max_model_len, info.vocab_size, api_key, max_queue, metrics,
-                        engine.prompts, tracing=tracing, disaggregation_mode=disaggregation_mode)
+                        engine.prompts, TimelineStore(timelines_kept), tracing, disaggregation_mode)
     app.state.kvstrata = state
+    bounded: dict[str, Sized] = {"timelines": state.timelines}
+    if engine.kv_events is not None:
+        bounded["kv_events"] = engine.kv_events
+    metrics.registry.register(BoundedStores(bounded))
     _handle_errors(app, state)
 
     if api_key:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -147,6 +147,23 @@ def _heap():
         yield heap
     yield GaugeMetricFamily("kvstrata_python_allocated_blocks", "Python's allocated memory blocks "
                             "(sys.getallocatedblocks): objects alive", value=sys.getallocatedblocks())
+
+
+class BoundedStores(Collector):
+    """How full each of the server's bounded stores is (entries kept, and the most it keeps): a long
+    run whose memory still grows while one of them fills has not reached its plateau yet."""
+
+    def __init__(self, stores: dict[str, Sized]):
+        self.stores = stores
+
+    def collect(self):
+        kept = GaugeMetricFamily("kvstrata_bounded_store_entries", "Entries a bounded store keeps now", labels=["store"])
+        capacity = GaugeMetricFamily("kvstrata_bounded_store_capacity", "The most entries it keeps", labels=["store"])
+        for name, store in self.stores.items():
+            kept.add_metric([name], len(store))
+            capacity.add_metric([name], store.capacity)       # type: ignore[attr-defined]
+        yield kept
+        yield capacity
 
 
 def _by_label(name: str, documentation: str, label: str, values: dict[str, int]) -> CounterMetricFamily:

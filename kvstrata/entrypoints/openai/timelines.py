@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from kvstrata.core.config import ServerConfig
 from kvstrata.core.timeline import RequestTimeline
 
-TIMELINES_KEPT = 4096
+TIMELINES_KEPT = ServerConfig().timelines_kept       # `--timelines-kept`
 
 
 class TimelineStore:
@@ -22,6 +23,9 @@ class TimelineStore:
         self._kept.move_to_end(request_id)
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
     def get(self, request_ids: Iterable[str]) -> dict[str, dict]:
         """The kept timelines among `request_ids`, as dicts (unknown or forgotten ids are left out)."""
