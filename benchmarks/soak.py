@@ -114,14 +114,14 @@ def classify(outcome: Outcome, windows: list[Window], queue_full: list[tuple[flo
     an engine that answered 503 at capacity until a health check brings it back in: within `queue_full` (a
     burst past the queue, or an engine out for its 503 until it was back in, plus GRACE_S) that is a 503 by
     queue."""
-    if outcome.kind in EXPECTED_4XX:
-        if outcome.status == EXPECTED_4XX[outcome.kind]:
-            return f"4xx {outcome.kind[4:]}"
-    elif outcome.status == 200 and outcome.error in ("", "cut"):
+    if outcome.kind in EXPECTED_4XX and outcome.status == EXPECTED_4XX[outcome.kind]:
+        return f"4xx {outcome.kind[4:]}"
+    if outcome.kind not in EXPECTED_4XX and outcome.status == 200 and outcome.error in ("", "cut"):
         return {"cut": "cut on purpose"}.get(outcome.kind, "answered")
-    elif outcome.kind == "hangup" and outcome.error == "hung up":
+    if outcome.kind == "hangup" and outcome.error == "hung up":
         return "hung up on purpose"
-    elif outcome.status == 503 and ("at capacity" in outcome.error or "no engine is available" in outcome.error):
+    # any request, bad ones too: a router with every engine out answers 503 before it reads the body
+    if outcome.status == 503 and ("at capacity" in outcome.error or "no engine is available" in outcome.error):
         if "at capacity" in outcome.error or outcome.kind == "burst" or any(
                 outcome.start <= end + GRACE_S and outcome.end >= start for start, end in queue_full):
             return "503 queue"

@@ -34,6 +34,10 @@ def test_an_outcome_counts_as_what_the_client_meant_or_as_the_fault_whose_window
     no_engine = Outcome("chat", "fleet", 300, 301, 503, '{"error":{"message":"no engine is available; retry later"')
     assert classify(no_engine, [window], queue_full=[(295.0, 295.0)]) == "503 queue"
     assert classify(no_engine, [window], queue_full=[(200.0, 210.0)]) == "unexplained 503"
+    # bad input too: the router answers "no engine" before any engine reads the body
+    bad_json = Outcome("bad-json", "fleet", 151.1, 151.2, 503, no_engine.error)
+    assert classify(bad_json, [], queue_full=[(150.6, 151.6)]) == "503 queue"
+    assert classify(bad_json, [], queue_full=[(100.0, 101.0)]) == "unexplained 503"
 
 
 def test_an_engine_is_out_from_its_take_out_to_its_return_or_the_end_of_the_run(tmp_path):
