@@ -11,6 +11,10 @@ Counted, by the code paths of `kvstrata.model.loader`:
 - int8 (`kvstrata.model.quantize`): the model loads in float32, calibration keeps a smoothed float32
   copy of the head, and the int8 rows (one byte a weight) are made beside the float ones: at the peak
   five bytes a projection weight. Once installed, the rows and the float32 embeddings stay.
+- a GGUF's own bits (`kvstrata.model.gguf_bits`): the model loads in the dtype, then each projection
+  and the head are swapped for their 4-bit terms (two int32 copies of a Q8_0 matrix while packing);
+  once loaded, at most 1.25 bytes a weight (Q8_0: two terms of half a byte, a bf16 scale and zero per
+  32) and the embeddings in the dtype.
 Activations, the tokenizer and Python are not counted here; the check leaves headroom for them.
 """
 
@@ -49,6 +53,10 @@ def weight_footprint(arch: ModelArch, dtype: torch.dtype, quantization: str, dev
         return WeightFootprint(peak, embed * 4 + linear + head_rows, parameters,
                                "float32 weights before int8")
     size = torch.empty((), dtype=dtype).element_size()
+    if quantization == "gguf":
+        head_rows = embed
+        return WeightFootprint(parameters * size + largest * 8, embed * size + (linear + head_rows) * 5 // 4,
+                               parameters, f"{str(dtype).removeprefix('torch.')} weights before packing GGUF blocks")
     packed_head = embed * size if arch.tie_word_embeddings and device.type == "cpu" else 0
     resident = parameters * size + packed_head
     return WeightFootprint(resident + largest * 4, resident, parameters,

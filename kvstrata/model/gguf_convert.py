@@ -5,6 +5,8 @@ Reading a GGUF is slow in Python (`gguf.GGUFReader` parses ~100k tokenizer field
 
     <cache root>/models/gguf-<sha256 of the file>-v<CONVERTER_VERSION>/
         model.safetensors   float32, HF Llama tensor names, q/k rows back in HF order
+        gguf-blocks         (safetensors) the file's own blocks of every Q4_0 / Q4_1 / Q8_0 matrix, rows
+                            in the same order, and every matrix's GGUF type (`--quantization gguf`)
         config.json         HF Llama config (both `rope_theta` and v5 `rope_parameters`)
         tokenizer.json, tokenizer_config.json, chat_template.jinja   (when the GGUF has a tokenizer)
         kvstrata.json       where it came from
@@ -33,9 +35,11 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from kvstrata.model.gguf_bits import BLOCK_BYTES, BLOCKS_FILE
+
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2          # 2: gguf-blocks
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -90,6 +94,11 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _hf_rows(rows: np.ndarray, rope_heads: int | None) -> np.ndarray:
+    """A tensor's rows in HF order: q and k (`rope_heads` given) unpermuted, the rest as they are."""
+    return np.ascontiguousarray(rows if rope_heads is None else unpermute_rope_rows(rows, rope_heads))
+
+
 def _convert(path: Path, out: Path, sha256: str) -> None:
     logger.warning("converting %s once into %s (later starts skip this)", path.name, out.parent)
     # A bar on a terminal (stderr), for every entry point: serve, generate, LLM(...). Steps: reading
@@ -123,16 +132,18 @@ def _convert_weights(path: Path, out: Path, bar: tqdm) -> bool:
                          "llama-architecture GGUF files (Llama, Mistral, SmolLM2) or HF folders")
     config = _hf_config(meta, reader)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    tensors = {}
+    tensors, blocks, types = {}, {}, {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if ".q_proj." in name:
-            w = unpermute_rope_rows(w, heads)
-        elif ".k_proj." in name:
-            w = unpermute_rope_rows(w, kv_heads)
-        tensors[name] = np.ascontiguousarray(w)
+        rope_heads = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
+        tensors[name] = _hf_rows(w, rope_heads)
+        if w.ndim == 2:
+            types[name] = t.tensor_type.name
+            if t.tensor_type.name in BLOCK_BYTES:        # a row of blocks is a row of weights
+                blocks[name] = _hf_rows(t.data, rope_heads)
         bar.update()
+    save_file(blocks, str(out / BLOCKS_FILE), metadata={"types": json.dumps(types)})
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

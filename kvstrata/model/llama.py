@@ -11,7 +11,8 @@ reads all its weights for a handful of rows.
 
 Once loaded, each projection is a callable `proj(x)` (`DenseLinear` in the model dtype); then
 either `pack_projections` hands them to oneDNN (float models on CPU) or `kvstrata.model.quantize`
-swaps them for int8 ones; both drop the layers' float weights.
+swaps them for int8 ones; both drop the layers' float weights. `keep_gguf_bits` first swaps those a
+GGUF file keeps in 4 or 8 bits for its own blocks (`kvstrata.model.gguf_bits`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.gguf_bits import GGUFBlocks, Int4Linear
 from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
 from kvstrata.model.rope import RotaryTables, apply_rotary
 
@@ -155,16 +157,37 @@ class LlamaModel(nn.Module):
             layer.bind_projections()
         self.head = DenseLinear(self.embed_tokens if self.lm_head is None else self.lm_head, None)
 
+    def keep_gguf_bits(self, blocks: GGUFBlocks) -> list[str]:
+        """Serve every projection (and the head) whose parts the file keeps in a type `gguf_bits` runs at
+        those bits (`Int4Linear`); returns the HF names of the matrices left in the model dtype."""
+        left: list[str] = []
+
+        def own_bits(projection: Projection, names: list[str]) -> Projection:
+            terms = blocks.terms(names)
+            if terms is None:
+                left.extend(names)
+                return projection
+            return Int4Linear.from_terms(terms, getattr(projection, "bias", None))
+
+        for i, layer in enumerate(self.layers):
+            attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            parts = {"qkv": [attn + f"{x}_proj.weight" for x in "qkv"], "o": [attn + "o_proj.weight"],
+                     "gate_up": [mlp + "gate_proj.weight", mlp + "up_proj.weight"], "down": [mlp + "down_proj.weight"]}
+            layer.projections = {name: own_bits(layer.projections[name], names) for name, names in parts.items()}
+        self.head = own_bits(self.head, ["lm_head.weight" if self.lm_head is not None else "model.embed_tokens.weight"])
+        return left
+
     def pack_projections(self) -> None:
-        """Hand every projection and the head to oneDNN (`PackedLinear`) when it can take them, and
-        drop the layers' float weights (the head of a tied model packs a copy: the embeddings stay)."""
+        """Hand every float projection and the head to oneDNN (`PackedLinear`) when it can take them (those
+        kept at a GGUF's bits stay as they are), and drop the layers' float weights (the head of a tied model packs a copy: the embeddings stay)."""
         if not can_pack(self.embed_tokens):
             return
         rows = 2 if self.exact_sums else 1          # see PackedLinear.__call__
+        pack = lambda p: PackedLinear.from_dense(p, rows) if isinstance(p, DenseLinear) else p  # noqa: E731
         for layer in self.layers:
-            layer.projections = {name: PackedLinear.from_dense(p, rows) for name, p in layer.projections.items()}
+            layer.projections = {name: pack(p) for name, p in layer.projections.items()}
             layer.qkv = layer.o = layer.gate_up = layer.down = layer.qkv_bias = layer.o_bias = None
-        self.head = PackedLinear.from_dense(self.head, rows)
+        self.head = pack(self.head)
         self.lm_head = None
 
     def sum_exactly(self) -> None:

@@ -44,6 +44,7 @@ from kvstrata.model import dummy, gguf_convert, kernels
 from kvstrata.model.arch import ModelArch, arch_from_hf_config
 from kvstrata.model.compiled import compile_layers
 from kvstrata.model.footprint import WeightFootprint, weight_footprint
+from kvstrata.model.gguf_bits import BLOCK_BYTES, GGUFBlocks
 from kvstrata.model.int8 import weight_bits
 from kvstrata.model.int8_choice import Int8Choice
 from kvstrata.model.llama import LlamaModel
@@ -151,8 +152,13 @@ def plan_load(config: ModelConfig) -> LoadPlan:
     """The model `config` names, without loading it (a GGUF file is converted, once); ValueError for
     anything the user can fix. The engine checks the memory it needs with it (kvstrata.worker.memory_check)."""
     config.validate()
-    # int8 kernels are CPU kernels: 'auto' takes the CPU for them even where CUDA is present.
-    device = resolve_device("cpu" if config.quantization == "int8" and config.device == "auto" else config.device)
+    # int8 and GGUF-bits kernels are CPU kernels: 'auto' takes the CPU for them even where CUDA is present.
+    cpu_only = config.quantization in ("int8", "gguf")
+    device = resolve_device("cpu" if cpu_only and config.device == "auto" else config.device)
+    if cpu_only and device.type != "cpu":
+        raise ValueError(f"--quantization {config.quantization} runs on CPU only, not on {device}")
+    if config.quantization == "gguf" and config.load_format == "dummy":
+        raise ValueError("--quantization gguf serves a GGUF file's own blocks; dummy weights have none")
     dtype = resolve_dtype(config.dtype, device, config.quantization)
     if config.load_format == "dummy":
         arch = dummy.dummy_source(config.model).arch
@@ -187,7 +193,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
                     traceable=config.compile)
     if config.compile:
         compile_layers(loaded.model)
-    elif config.quantization == "none":
+    elif config.quantization in ("none", "gguf"):
         loaded.model.pack_projections()      # dynamo cannot trace oneDNN's packed weights: not with --compile
     logger.info("loaded %s (%d layers, %s, quantization %s, %s%s) in %.2fs", name, loaded.arch.num_layers,
                 str(dtype).removeprefix("torch."), config.quantization, device,
@@ -253,6 +259,14 @@ def _build(hf_config: dict, tensors: Any, folder: Path | None, tokenizer_folder:
     if (exact_sums or quantization == "int8") and model.attn.reads_in_place(16, dtype, device):
         identity["attention"] = f"paged-kernel-{kernels.REVISION}"
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    if quantization == "gguf":
+        assert folder is not None, "plan_load refuses dummy weights at a GGUF's bits"
+        blocks = GGUFBlocks.read(folder)
+        widened = model.keep_gguf_bits(blocks)
+        if widened:
+            logger.warning("%s: %d of its matrices (%s) are widened to %s: kvstrata runs %s at their own "
+                           "bits", name, len(widened), blocks.widened(widened), str(dtype).removeprefix("torch."),
+                           ", ".join(BLOCK_BYTES))
     int8 = None
     if quantization == "int8":
         # The int8 rows are cached by weight bits (7 without VNNI); the kernel, which rounds on its own, is

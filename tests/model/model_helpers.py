@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -114,3 +116,58 @@ def greedy_chat(loaded: LoadedModel, prompt: str, max_new_tokens: int = 24) -> s
         seq.tokens.append(token)
         run_step(loaded.model, kv, [(seq, 1)])
     return loaded.tokenizer.decode(out)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's permute, written out independently of our inverse."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_tiny_gguf(path, hf_model, types: dict[str, str] | None = None) -> None:
+    """The tiny HF model as llama.cpp would write it: GGUF names, permuted q/k, F32 tensors unless `types`
+    names another GGUF type for a matrix (by its GGUF name without the layer, e.g. ffn_down, token_embd),
+    quantized by gguf-py."""
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    def add(kind: str, name: str, w: np.ndarray) -> None:
+        qtype = gguf.GGMLQuantizationType[(types or {}).get(kind, "F32")]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, w)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+    for name, t in hf_model.state_dict().items():
+        w = t.numpy().copy()
+        if name == "lm_head.weight":
+            continue                                   # tied: llama.cpp writes no output.weight
+        if name == "model.embed_tokens.weight":
+            add("token_embd", "token_embd.weight", w)
+            continue
+        if name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", w)
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        part = rest.removesuffix(".weight")
+        if part == "self_attn.q_proj":
+            w = llama_cpp_permute(w, c.num_attention_heads)
+        elif part == "self_attn.k_proj":
+            w = llama_cpp_permute(w, c.num_key_value_heads)
+        add(names[part], f"blk.{layer}.{names[part]}.weight", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

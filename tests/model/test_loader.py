@@ -21,7 +21,7 @@ from kvstrata.core.machine import machine
 from kvstrata.model import gguf_convert
 from kvstrata.model.arch import arch_from_hf_config
 from kvstrata.model.loader import default_model_path, file_sha256, load_model, resolve_device, resolve_dtype
-from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model
+from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model, write_tiny_gguf
 
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -31,52 +31,6 @@ TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hid
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py's permute, written out independently of our inverse."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
-def write_tiny_gguf(path, hf_model) -> None:
-    """The tiny HF model as llama.cpp would write it: F32 tensors, GGUF names, permuted q/k."""
-    c = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_vocab_size(c.vocab_size)
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, t in hf_model.state_dict().items():
-        w = t.numpy().copy()
-        if name == "lm_head.weight":
-            continue                                   # tied: llama.cpp writes no output.weight
-        if name == "model.embed_tokens.weight":
-            writer.add_tensor("token_embd.weight", w)
-            continue
-        if name == "model.norm.weight":
-            writer.add_tensor("output_norm.weight", w)
-            continue
-        layer, rest = name.removeprefix("model.layers.").split(".", 1)
-        part = rest.removesuffix(".weight")
-        if part == "self_attn.q_proj":
-            w = llama_cpp_permute(w, c.num_attention_heads)
-        elif part == "self_attn.k_proj":
-            w = llama_cpp_permute(w, c.num_key_value_heads)
-        writer.add_tensor(f"blk.{layer}.{names[part]}.weight", w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture
@@ -132,7 +86,7 @@ def test_concurrent_conversions_end_with_one_complete_folder(tiny_gguf, tmp_path
         t.join()
     assert not errors and len(set(results)) == 1
     folder = results[0]
-    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "kvstrata.json"}
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "kvstrata.json", "gguf-blocks"}
     assert [p.name for p in (root / "models").iterdir()] == [folder.name]   # no temp folders left
 
 
