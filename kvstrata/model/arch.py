@@ -15,7 +15,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")   # freq_factors: a GGUF's rope_freqs
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,9 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return float(theta), None
-    if "factor" not in scaling:
-        raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
+    if ("factors" if rope_type == "freq_factors" else "factor") not in scaling:
+        raise ValueError(f"rope scaling {rope_type!r} needs " + ("its 'factors'" if rope_type == "freq_factors"
+                                                                  else "a 'factor'"))
     return float(theta), {"rope_type": rope_type, **scaling}
 
 

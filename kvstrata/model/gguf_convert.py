@@ -134,6 +134,13 @@ def _convert_weights(path: Path, out: Path, bar: tqdm) -> bool:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors, blocks, types = {}, {}, {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":               # Llama 3 scaling: llama.cpp's factor per frequency
+            factors = [float(f) for f in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)]
+            config["rope_parameters"] = {"rope_type": "freq_factors", "rope_theta": config["rope_theta"],
+                                         "factors": factors}
+            config["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
+            bar.update()
+            continue
         name = _hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         rope_heads = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
@@ -154,9 +161,6 @@ def _convert_weights(path: Path, out: Path, bar: tqdm) -> bool:
 
 def _hf_name(gguf_name: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
-    if base == "rope_freqs":
-        raise ValueError("this GGUF carries rope_freqs (Llama 3 style RoPE scaling), which kvstrata "
-                         "cannot read from GGUF; use the model's HF folder instead")
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"

@@ -1,7 +1,8 @@
 """Rotary position embeddings in the HF "rotate half" layout, with tables computed once.
 
 The frequencies follow transformers' formulas (plain, `linear`, `llama3`) so logits match it
-bit for bit in float32. Each forward looks its positions up in the tables once; every layer then
+bit for bit in float32; a GGUF's Llama 3 scaling comes as llama.cpp stores it, one factor per
+frequency (`freq_factors`, the same frequencies to float32 rounding). Each forward looks its positions up in the tables once; every layer then
 applies them with three elementwise ops.
 """
 
@@ -21,6 +22,8 @@ def inv_frequencies(arch: ModelArch) -> torch.Tensor:
     scaling = arch.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "freq_factors":          # a GGUF's rope_freqs: each frequency divided by its own
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor

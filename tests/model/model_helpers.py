@@ -150,6 +150,19 @@ def write_tiny_gguf(path, hf_model, types: dict[str, str] | None = None) -> None
         else:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
 
+    scaling = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})   # v5 / v4
+    if scaling.get("rope_type") == "llama3":           # as convert_hf_to_gguf.py writes it: one factor per frequency
+        dim = c.hidden_size // c.num_attention_heads
+        low, high = scaling["original_max_position_embeddings"] / np.array([scaling["low_freq_factor"],
+                                                                             scaling["high_freq_factor"]])
+        factors = []
+        for freq in 1.0 / scaling.get("rope_theta", 10000.0) ** (np.arange(0, dim, 2, dtype=np.float32) / dim):
+            wavelen = 2 * np.pi / freq
+            smooth = (scaling["original_max_position_embeddings"] / wavelen - scaling["low_freq_factor"]) / \
+                (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+            factors.append(1.0 if wavelen < high else scaling["factor"] if wavelen > low
+                           else 1 / ((1 - smooth) / scaling["factor"] + smooth))
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     for name, t in hf_model.state_dict().items():
         w = t.numpy().copy()
         if name == "lm_head.weight":

@@ -57,6 +57,24 @@ def test_gguf_conversion_undoes_llama_cpp_permutation_and_ties_embeddings(tiny_g
     torch.testing.assert_close(torch.stack(seq.logits), ref, atol=1e-4, rtol=0)
 
 
+def test_a_gguf_with_llama3_rope_freqs_matches_transformers(tmp_path):
+    """Llama 3 GGUFs carry their RoPE scaling as a factor per frequency (rope_freqs.weight)."""
+    config = LlamaConfig(**{**TINY.to_dict(), "max_position_embeddings": 256, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}})
+    hf = save_tiny_hf_model(tmp_path / "hf", config, seed=5)
+    path = tmp_path / "Tiny-Llama3.gguf"
+    write_tiny_gguf(path, hf)
+    loaded = load_model(ModelConfig(model=str(path), dtype="float32", device="cpu"))
+    assert loaded.arch.rope_scaling["rope_type"] == "freq_factors"
+    seq = Seq(list(range(3, 100)), blocks=list(range(7)))
+    kv = new_cache(loaded, 7, 16)
+    run_step(loaded.model, kv, [(seq, 97)])
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq.tokens])).logits[0]
+    torch.testing.assert_close(torch.stack(seq.logits), ref, atol=1e-4, rtol=0)
+
+
 def test_gguf_is_converted_once_then_loaded_from_the_cache(tiny_gguf, monkeypatch):
     path, _ = tiny_gguf
     first = load_model(ModelConfig(model=str(path), device="cpu"))

@@ -1,0 +1,113 @@
+"""One stream and a batch, at a GGUF's own bits: kvstrata `--quantization gguf` beside llama.cpp on the same file.
+
+    .venv/bin/python benchmarks/gguf_bits.py                                  # the shipped SmolLM2 Q4_1
+    .venv/bin/python benchmarks/gguf_bits.py --shape llama-3.2-1b --types q8_0 q4_0   # dummy weights, as GGUF
+    .venv/bin/python benchmarks/gguf_bits.py --quick                          # checks the pipeline
+
+For each file, the same token-id prompts (batch 1 and 32 by default, 128 in and 128 out, greedy) through
+kvstrata serving the file's blocks at their bits (`--quantization gguf`, kvstrata.model.gguf_bits),
+kvstrata widening them to bfloat16 (`--quantization none --dtype bfloat16`, what it did before), and
+llama.cpp's library on the file (peers/offline_llamacpp.py). Every engine gets the same threads; each
+figure is the fastest of `--repeats` (median beside it). Prints a table with kvstrata's own-bits speed
+over llama.cpp's (above 1, kvstrata is faster) and writes gguf_bits.json and gguf_bits.md into `--out`.
+Dummy-weight files come from peers/dummy_gguf.py (its q4_0 keeps the output matrix in Q6_K, as
+llama-quantize does, which kvstrata widens: the table says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import servers
+from real_shapes import VENVS, run
+
+logger = logging.getLogger("gguf_bits")
+ENGINES = ("kvstrata-gguf", "kvstrata-bf16", "llamacpp")
+
+
+def jobs(gguf: Path, prompts: Path, patience: float) -> dict[str, list[str]]:
+    common = ["--prompts", str(prompts), "--threads", str(servers.THREADS), "--patience", str(patience),
+              "--model", str(gguf)]
+    kvstrata = [str(servers.BIN / "kvstrata"), "bench", "offline", *common]
+    return {"kvstrata-gguf": [*kvstrata, "--quantization", "gguf"],
+            "kvstrata-bf16": [*kvstrata, "--quantization", "none", "--dtype", "bfloat16"],
+            "llamacpp": [str(VENVS / "llamacpp" / "bin/python"), str(servers.PEERS / "offline_llamacpp.py"), *common]}
+
+
+def measure(out: Path, label: str, gguf: Path, prompts: Path, patience: float) -> dict[str, dict]:
+    figures = {}
+    for engine, command in jobs(gguf, prompts, patience).items():
+        stem = out / f"{label}-{engine}"
+        run([*command, "--json", f"{stem}.json"], Path(f"{stem}.log"))
+        figures[engine] = json.loads(Path(f"{stem}.json").read_text())
+        figures[engine]["log_tail"] = Path(f"{stem}.log").read_text()[-2000:]
+    return figures
+
+
+def markdown(report: dict) -> str:
+    lines = [f"## GGUF weights at their own bits beside llama.cpp, {report['date']}", "",
+             f"Machine: {report['machine']}. {report['threads']} threads each; {report['length']} prompt and "
+             f"{report['length']} output tokens, greedy; fastest of {report['repeats']} repeats (median in brackets). "
+             "kvstrata gguf: `--quantization gguf`; kvstrata bf16: the same file widened to bfloat16. "
+             "Ratio: kvstrata gguf over llama.cpp (above 1, kvstrata is faster).", ""]
+    for label, figures in report["files"].items():
+        cases = [c["name"] for c in figures["llamacpp"]["cases"]]
+        lines += [f"**{label}**", "", "| engine | " + " | ".join(f"{c} tok/s" for c in cases) + " |",
+                  "|---|" + "---:|" * len(cases)]
+        for engine in ENGINES:
+            by_name = {c["name"]: c for c in figures[engine]["cases"]}
+            lines.append(f"| {engine} | " + " | ".join(
+                f"{by_name[c]['output_tok_s']:.1f} ({by_name[c]['median_output_tok_s']:.1f})" for c in cases) + " |")
+        own = {c["name"]: c["output_tok_s"] for c in figures["kvstrata-gguf"]["cases"]}
+        peer = {c["name"]: c["output_tok_s"] for c in figures["llamacpp"]["cases"]}
+        lines += ["| kvstrata gguf ÷ llama.cpp | " + " | ".join(f"{own[c] / peer[c]:.2f}x" for c in cases) + " |",
+                  ""]
+        widened = [line for line in figures["kvstrata-gguf"]["log_tail"].splitlines() if "are widened" in line]
+        if widened:
+            lines += [f"kvstrata's warning: `{widened[0].split('WARNING', 1)[-1].strip()}`", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default=None, help="a shipped shape (dummy weights written as GGUF); "
+                                                      "default: the shipped SmolLM2 Q4_1 file")
+    parser.add_argument("--types", nargs="+", default=["q8_0", "q4_0"], help="GGUF types of --shape's files")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 4, 16 tokens, one repeat")
+    parser.add_argument("--patience", type=float, default=120)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("gguf-bits-%Y%m%d-%H%M%S"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    from kvstrata.bench.cases import write_cases
+    from kvstrata.bench.offline import make_cases
+    from kvstrata.core.machine import machine
+    from kvstrata.model.loader import default_model_path
+
+    if args.quick:
+        args.batches, args.length, args.repeats = [1, 4], 16, 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    servers.install_peers(args.out, ("llamacpp",))
+    prompts = args.out / "prompts.json"
+    write_cases(prompts, make_cases(args.batches, args.length, args.length, args.repeats, seed=0))
+    files = ({f"{args.shape} {kind}": servers.dummy_gguf(args.shape, kind) for kind in args.types} if args.shape
+             else {default_model_path().name: default_model_path()})
+    report = {"machine": machine().describe(), "date": time.strftime("%Y-%m-%d"), "threads": servers.THREADS,
+              "length": args.length, "repeats": args.repeats,
+              "files": {label: measure(args.out, label.replace(" ", "-"), path, prompts, args.patience)
+                        for label, path in files.items()}}
+    (args.out / "gguf_bits.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "gguf_bits.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
