@@ -67,7 +67,7 @@ def markdown(report: dict) -> str:
         peer = {c["name"]: c["output_tok_s"] for c in figures["llamacpp"]["cases"]}
         lines += ["| kvstrata gguf ÷ llama.cpp | " + " | ".join(f"{own[c] / peer[c]:.2f}x" for c in cases) + " |",
                   ""]
-        widened = [line for line in figures["kvstrata-gguf"]["log_tail"].splitlines() if "are widened" in line]
+        widened = [line for line in figures["kvstrata-gguf"]["log_tail"].splitlines() if " widened to " in line]
         if widened:
             lines += [f"kvstrata's warning: `{widened[0].split('WARNING', 1)[-1].strip()}`", ""]
     return "\n".join(lines) + "\n"

@@ -75,7 +75,8 @@ def prefill_batch(n: int, num_blocks: int, gen: torch.Generator) -> ForwardBatch
                         torch.tensor([n]), [0, n], 0, torch.tensor([n - 1]))
 
 
-WEIGHTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8")}
+WEIGHTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8"),
+           "gguf": ("bfloat16", "gguf")}      # gguf: the file's own bits (kvstrata.model.gguf_bits)
 
 
 def label_attention() -> None:

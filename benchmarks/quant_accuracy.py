@@ -2,6 +2,11 @@
 
     .venv/bin/python benchmarks/quant_accuracy.py                      # float32 bfloat16 int8
     .venv/bin/python benchmarks/quant_accuracy.py --weights float32 int8 --prompts 8
+    .venv/bin/python benchmarks/quant_accuracy.py --weights bfloat16 gguf --llamacpp   # beside llama.cpp
+
+`--llamacpp`: llama.cpp's library also scores the same token ids of the same file (the default model's GGUF)
+with the same windows (peers/perplexity_llamacpp.py), and each configuration's perplexity is printed over
+llama.cpp's: the issue of GGUF bits asks kvstrata's to be within 1% of it on the same file.
 
 Perplexity: the text of benchmarks/data/gpl-3.0.txt (the GNU GPL v3, whose own terms allow verbatim
 copies; fixed, English, about 7,700 SmolLM2 tokens), cut into windows of --window tokens, each
@@ -20,7 +25,10 @@ configuration's:
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,6 +66,21 @@ def perplexity(model, kv: PagedKVCache, tokens: list[int], window: int) -> tuple
     return math.exp(nll / count), count
 
 
+def llamacpp_perplexity(tokens: list[int], window: int, threads: int) -> float:
+    """llama.cpp's perplexity of the default model's GGUF on `tokens` (peers/perplexity_llamacpp.py)."""
+    import servers
+    from kvstrata.model.loader import default_model_path
+
+    servers.install_peers(Path(tempfile.mkdtemp()), ("llamacpp",))
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = Path(tmp) / "tokens.json", Path(tmp) / "result.json"
+        job.write_text(json.dumps({"tokens": tokens, "window": window}))
+        subprocess.run([str(servers.PEERS / "venvs" / "llamacpp" / "bin" / "python"),
+                        str(servers.PEERS / "perplexity_llamacpp.py"), "--model", str(default_model_path()),
+                        "--tokens", str(job), "--threads", str(threads), "--json", str(out)], check=True)
+        return json.loads(out.read_text())["perplexity"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
@@ -66,6 +89,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llamacpp", action="store_true", help="llama.cpp's perplexity on the same file and tokens")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = {}
@@ -86,6 +110,10 @@ def main() -> None:
         results[name] = (ppl, outputs, loaded.model, kv, prompts)
         print(f"{name:>9}: perplexity {ppl:.4f} over {count} predicted tokens "
               f"({time.perf_counter() - start:.0f} s with the generation)", flush=True)
+    if args.llamacpp:
+        peer = llamacpp_perplexity(tokens, args.window, args.threads)
+        for name, (ppl, *_) in results.items():
+            print(f"{name} vs llama.cpp on the same file: perplexity {ppl:.4f} / {peer:.4f} = {ppl / peer - 1:+.2%}")
     ref_name, (ref_ppl, ref_out, _, _, prompts) = next(iter(results.items()))
     for name, (ppl, outputs, model, kv, _) in list(results.items())[1:]:
         same = sum(a == b for r, o in zip(ref_out, outputs) for a, b in zip(r, o))

@@ -264,9 +264,9 @@ def _build(hf_config: dict, tensors: Any, folder: Path | None, tokenizer_folder:
         blocks = GGUFBlocks.read(folder)
         widened = model.keep_gguf_bits(blocks)
         if widened:
-            logger.warning("%s: %d of its matrices (%s) are widened to %s: kvstrata runs %s at their own "
-                           "bits", name, len(widened), blocks.widened(widened), str(dtype).removeprefix("torch."),
-                           ", ".join(BLOCK_BYTES))
+            logger.warning("%s: %d %s widened to %s (%s); kvstrata runs %s at their own bits", name, len(widened),
+                           "matrix" if len(widened) == 1 else "matrices", str(dtype).removeprefix("torch."),
+                           blocks.widened(widened), ", ".join(BLOCK_BYTES))
     int8 = None
     if quantization == "int8":
         # The int8 rows are cached by weight bits (7 without VNNI); the kernel, which rounds on its own, is

@@ -76,7 +76,7 @@ def test_a_gguf_is_served_at_its_own_bits_and_other_types_widened_with_a_warning
     layer = own.model.layers[0].projections
     assert all(isinstance(layer[name], Int4Linear) for name in ("qkv", "o", "gate_up"))
     assert isinstance(layer["down"], PackedLinear) and isinstance(own.model.head, Int4Linear)
-    assert "2 of its matrices (2 F16) are widened to float32" in caplog.text
+    assert "2 matrices widened to float32 (2 F16)" in caplog.text
     assert own.fingerprint != widened.fingerprint            # KV of one weight format never serves the other
     logits = {}
     for name, loaded in (("own", own), ("widened", widened)):
