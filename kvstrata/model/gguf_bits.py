@@ -99,12 +99,13 @@ class Int4Linear:
         return cls(packed, sz, bias, nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xb = x.to(torch.bfloat16)
+        widen = x.dtype != torch.bfloat16           # a float32 model; no conversion (a dispatch each) in bf16
+        xb = x.to(torch.bfloat16) if widen else x
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed[0], GROUP, self.scales_and_zeros[0])
         for packed, sz in zip(self.packed[1:], self.scales_and_zeros[1:]):
-            y = y + torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, sz)
-        y = y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+            y += torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, sz)
+        y = y.to(x.dtype) if widen else y
+        return y if self.bias is None else y.add_(self.bias)
 
 
 @dataclass(frozen=True)
