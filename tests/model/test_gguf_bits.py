@@ -5,7 +5,12 @@ same with every cache feature on as off."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -57,6 +62,34 @@ def test_the_kernel_multiplies_by_the_decoded_weights_and_a_row_is_independent_o
     assert (y - reference).abs().max() <= 1e-2 * reference.abs().max()
     assert torch.equal(linear(x[:1]), y[:1]) and torch.equal(linear(x[4:6]), y[4:6])
     assert linear.nbytes <= w.size * (1.25 if kind == "Q8_0" else 0.625)     # half a byte a weight a term, + scale and zero
+
+
+# In a child whose CPU is capped at AVX2 (kvstrata.core.machine.isa_cap_environ: torch dispatches its AVX2
+# kernels): the 4-bit kernel's error against the decoded weights and a row's independence of its batch.
+CAPPED_CHECK = """
+import json, gguf, numpy as np, torch
+from kvstrata.core.machine import machine
+from kvstrata.model.gguf_bits import Int4Linear, decode_blocks
+out = {"isa": machine().isa, "aten": torch.backends.cpu.get_cpu_capability(), "errors": {}, "row_alone": {}}
+for kind in ("Q4_0", "Q4_1", "Q8_0"):
+    w = np.random.default_rng(2).normal(0, 0.3, (64, 128)).astype(np.float32)
+    terms = decode_blocks(torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])), kind)
+    linear, x = Int4Linear.from_terms(terms), torch.randn(5, 128)
+    y, ref = linear(x), x.bfloat16().float() @ terms.dequantized().t()
+    out["errors"][kind] = float((y - ref).abs().max() / ref.abs().max())
+    out["row_alone"][kind] = bool(torch.equal(linear(x[2:3]), y[2:3]))
+print(json.dumps(out))
+"""
+
+
+def test_the_4bit_kernel_under_an_avx2_cap():
+    from kvstrata.core.machine import isa_cap_environ
+    done = subprocess.run([sys.executable, "-c", CAPPED_CHECK], env={**os.environ, **isa_cap_environ("avx2")},
+                          capture_output=True, text=True, timeout=120, check=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "avx512f" not in seen["isa"] and seen["aten"] == "AVX2", seen          # torch's AVX2 kernels ran
+    assert all(error <= 1e-2 for error in seen["errors"].values()) and all(seen["row_alone"].values()), seen
 
 
 @pytest.fixture
