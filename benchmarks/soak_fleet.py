@@ -37,6 +37,7 @@ class Sizes:
     max_queue: int = 12
     max_model_len: int = 2048
     timelines_kept: int = 256          # full within the warm-up, as the tiers are (4,096 by default: ~9 MiB)
+    kv_events_kept: int = 4096         # likewise (65,536 by default: ~10 MiB, full only after 23-41 min here)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class Fleet:
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         engine_flags = ["--threads", "1", "--kv-cache-memory", sizes.kv_cache, "--host-cache-memory", sizes.host_cache,
                         "--max-queue", str(sizes.max_queue), "--max-model-len", str(sizes.max_model_len),
-                        "--timelines-kept", str(sizes.timelines_kept),
+                        "--timelines-kept", str(sizes.timelines_kept), "--kv-events-kept", str(sizes.kv_events_kept),
                         "--batch-invariant", "--audit-every-step", "--speculative-config", SPECULATIVE,
                         "--log-level", "WARNING"]
         urls = {name: f"http://127.0.0.1:{port + 2 + i}" for i, name in enumerate(cls.ENGINES)}

@@ -250,6 +250,8 @@ class ServerConfig:
     max_queue: int = _opt(256, "requests in flight (running or waiting) before new ones get 503")
     timelines_kept: int = _opt(4096, "timelines of the last requests kept for GET /v1/timelines (each a few KiB; "
                                      "the oldest is dropped first)")
+    kv_events_kept: int = _opt(65536, "KV cache events kept for routers polling GET /v1/kv_events (~160 bytes "
+                                      "each); a router further behind gets a snapshot of every hash held instead")
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
     allowed_origins: str | None = _opt(None, "browser origins allowed to call the API (CORS), comma-separated, "
                                              "or *; default: none (no CORS headers)")
@@ -271,6 +273,7 @@ class ServerConfig:
         _require(0 <= self.port <= 65535, f"port must be in 0..65535, not {self.port}")
         _require(self.max_queue >= 1, "max_queue must be at least 1")
         _require(self.timelines_kept >= 1, "timelines_kept must be at least 1")
+        _require(self.kv_events_kept >= 1, "kv_events_kept must be at least 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout must not be negative")
         _require(self.otlp_traces_endpoint is None or self.otlp_traces_endpoint.startswith(("http://", "https://")),
                  f"otlp_traces_endpoint must be an http:// or https:// URL, not {self.otlp_traces_endpoint!r}")

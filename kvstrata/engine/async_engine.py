@@ -45,13 +45,14 @@ class AsyncLLMEngine:
     shared-prefix workload's TPOT p50 was 26.6 ms, loaded here 19.8 ms (bf16, 2 threads, 2 cores).
     The price of spinning: the engine wants its cores to itself (docs/design/model.md, "Threads").
 
-    `kv_events`: publish the caches' index changes for routers (`kv_events`, a KVEventLog).
+    `kv_events_kept`: publish the caches' index changes for routers (`kv_events`, a KVEventLog keeping
+    the last `kv_events_kept` events); 0: publish none.
     """
 
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], kv_events: bool = False):
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], kv_events_kept: int = 0):
         self._build = None if isinstance(engine, LLMEngine) else engine
         self._engine: LLMEngine | None = engine if self._build is None else None    # else built by start()
-        self._with_kv_events = kv_events
+        self._kv_events_kept = kv_events_kept
         self._recorder: KVEventRecorder | None = None
         # Published by the engine thread (set once at build, or swapped whole once per step):
         self.info: EngineInfo | None = None
@@ -186,9 +187,10 @@ class AsyncLLMEngine:
         if self._engine is None:
             self._engine = self._build()
         engine = self._engine
-        if self._with_kv_events:
+        if self._kv_events_kept:
             self._recorder = KVEventRecorder([("device", engine.tiers.device), ("host", engine.tiers.host)])
-            self.kv_events = KVEventLog(engine.config.cache.block_size, engine.hasher.root, self._recorder.held)
+            self.kv_events = KVEventLog(engine.config.cache.block_size, engine.hasher.root, self._recorder.held,
+                                        self._kv_events_kept)
         self.prompts = engine.prompts.copy()
         self._publish()
         self.info = engine.info          # last: start() takes it as the sign that the engine is built

@@ -24,11 +24,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvstrata.core.config import ServerConfig
 from kvstrata.core.hashing import BlockHash
 from kvstrata.core.kv_events import PUBLISHED_TIERS
 from kvstrata.kvcache.block_pool import BlockPool
 
-EVENT_LOG_CAPACITY = 1 << 16      # events kept for routers that fall behind; older ones: a snapshot
+EVENT_LOG_CAPACITY = ServerConfig().kv_events_kept   # `--kv-events-kept`: for routers behind; older: a snapshot
 MAX_EVENTS_PER_REPLY = 4096       # a router that is further behind polls again
 POLL_INTERVAL = 0.02              # seconds between looks while a long-poll waits
 

@@ -75,10 +75,12 @@ def test_server_keeps_timelines_and_a_step_histogram(smollm2):
     assert metrics['kvstrata_step_duration_seconds_count{model_name="SmolLM2-135M-Instruct"}'] >= 4
 
 
-def test_timelines_kept_are_bounded_and_their_fill_is_on_metrics(smollm2):
-    """`--timelines-kept 2`: the third request's timeline pushes out the first; /metrics says how full
-    the bounded stores are (a long run reads it to tell a store still filling from a leak)."""
-    with running_server(smollm2, num_device_blocks=64, block_size=16, timelines_kept=2) as (base, _):
+def test_timelines_and_kv_events_kept_are_bounded_and_their_fill_is_on_metrics(smollm2):
+    """`--timelines-kept 2 --kv-events-kept 4`: the third request's timeline pushes out the first, the
+    KV event ring holds its last 4 events; /metrics says how full the bounded stores are (a long run
+    reads it to tell a store still filling from a leak)."""
+    with running_server(smollm2, num_device_blocks=64, block_size=16, timelines_kept=2,
+                        kv_events_kept=4) as (base, _):
         ids = [httpx.post(f"{base}/v1/completions", json={"prompt": f"Hello {i}. " * 12, "max_tokens": 2}).json()["id"]
                for i in range(3)]
         kept = httpx.get(f"{base}/v1/timelines", params={"id": ids}).json()["timelines"]
@@ -86,5 +88,6 @@ def test_timelines_kept_are_bounded_and_their_fill_is_on_metrics(smollm2):
     assert sorted(kept) == sorted(ids[1:])
     assert metrics['kvstrata_bounded_store_entries{store="timelines"}'] == 2
     assert metrics['kvstrata_bounded_store_capacity{store="timelines"}'] == 2
-    assert 0 < metrics['kvstrata_bounded_store_entries{store="kv_events"}'] <= \
-        metrics['kvstrata_bounded_store_capacity{store="kv_events"}']
+    # 3 prompts of 3 full blocks each: 9 blocks stored, the ring keeps 4 of their events
+    assert metrics['kvstrata_bounded_store_entries{store="kv_events"}'] == 4
+    assert metrics['kvstrata_bounded_store_capacity{store="kv_events"}'] == 4

@@ -18,6 +18,7 @@ import uvicorn
 
 from kvstrata.core.config import EngineConfig
 from kvstrata.engine.async_engine import AsyncLLMEngine
+from kvstrata.engine.kv_events import EVENT_LOG_CAPACITY
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.entrypoints.openai.api_server import create_app
 
@@ -54,11 +55,12 @@ def serving(app, ready: str = "/health"):
 
 @contextmanager
 def running_server(loaded, api_key: str | None = None, max_queue: int = 256, faults=None, allowed_origins=(),
-                   tracing=None, disaggregation_mode: str = "both", timelines_kept: int = 4096, **options):
+                   tracing=None, disaggregation_mode: str = "both", timelines_kept: int = 4096,
+                   kv_events_kept: int = EVENT_LOG_CAPACITY, **options):
     """Yield (base_url, engine); on exit, stop the server and the engine thread."""
     options.setdefault("kv_cache_memory", "64MiB")
     engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded, faults=faults)
-    async_engine = AsyncLLMEngine(engine, kv_events=True).start()
+    async_engine = AsyncLLMEngine(engine, kv_events_kept=kv_events_kept).start()
     try:
         with serving(create_app(async_engine, MODEL, api_key, max_queue, allowed_origins, tracing,
                                 disaggregation_mode, timelines_kept)) as base:

@@ -45,7 +45,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.getLogger("kvstrata").warning("%s is set: injecting faults %s", ENV_VAR, faults.every)
     engine_settings = disaggregated(engine_config(args), server.disaggregation_mode)
     # Loaded on the engine thread, so one OpenMP team runs every step (see AsyncLLMEngine).
-    async_engine = AsyncLLMEngine(lambda: LLMEngine(engine_settings, faults=faults), kv_events=True).start()
+    async_engine = AsyncLLMEngine(lambda: LLMEngine(engine_settings, faults=faults),
+                                   kv_events_kept=server.kv_events_kept).start()
     name = server.served_model_name or async_engine.info.model_name
     app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins, tracing,
                      server.disaggregation_mode, server.timelines_kept)

@@ -16,6 +16,7 @@ import httpx
 
 from kvstrata.core.config import EngineConfig
 from kvstrata.engine.async_engine import AsyncLLMEngine
+from kvstrata.engine.kv_events import EVENT_LOG_CAPACITY
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.entrypoints.openai.api_server import create_app
 from tests.entrypoints.server_helpers import MODEL, serving
@@ -97,7 +98,7 @@ def test_http_reads_only_what_the_engine_thread_publishes(smollm2):
     engine.tiers.counts()                       # the watch sees a call from this thread...
     assert watch.foreign == ["TierManager.counts from MainThread", "BlockPool.counts from MainThread"]
     watch.foreign.clear()                       # ...and from here on, none may come
-    async_engine = AsyncLLMEngine(engine, kv_events=True).start()
+    async_engine = AsyncLLMEngine(engine, kv_events_kept=EVENT_LOG_CAPACITY).start()
 
     async def traffic(base: str) -> tuple[list[int], dict[str, int], set[float]]:
         seen, totals, done = {"events": 0, "rounds": 0}, set(), asyncio.Event()
