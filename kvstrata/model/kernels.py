@@ -1,5 +1,8 @@
 """Our C++ kernels (kvstrata/model/csrc): built with the system C++ compiler at first use, cached, loaded with ctypes.
 
+Two libraries: paged attention (`paged_decode()`), and bf16 RMSNorm and SiLU-and-multiply
+(`norm_act()`, which a decode step calls ~90 times where torch would dispatch ~700 ops).
+
 Why a plain shared library and not a torch extension: it needs no torch headers and loads without
 a build system. It takes raw pointers, so
 the callers here check every shape, dtype and stride it relies on. It is compiled with `-fopenmp`
@@ -32,10 +35,14 @@ from kvstrata.core.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "paged_attention.cpp"
+NORM_ACT_SOURCE = CSRC / "norm_act.cpp"
+HEADERS = [CSRC / "vec16.h"]       # included by both sources: part of every build's tag
 # Bumped whenever a change to the source moves any bit of its results: exact engines' model
 # fingerprints carry it, so they never load KV that an older kernel computed (kvstrata.model.loader).
 REVISION = 2
+NORM_ACT_REVISION = 1             # the same for norm_act.cpp, in the fingerprint of every model using it
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 
 
@@ -104,37 +111,82 @@ def _check(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, out: t
     assert tables.dtype == torch.int64 and tables.stride(1) == 1
 
 
+class NormAct:
+    """`kvs_rms_norm` and `kvs_silu_mul` (csrc/norm_act.cpp): bf16 rows on the CPU, as wide as `takes` says."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._norm = lib.kvs_rms_norm
+        self._norm.restype = None
+        self._norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
+        self._silu_mul = lib.kvs_silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [ptr, ptr, i64, i64]
+
+    @staticmethod
+    def takes(dtype: torch.dtype, device: torch.device, *widths: int) -> bool:
+        """Whether a model of this dtype on this device, with rows of these widths, can use the kernels."""
+        return dtype == torch.bfloat16 and device.type == "cpu" and all(w % 16 == 0 for w in widths)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x (T, E) -> LlamaRMSNorm(x) (T, E), float32 statistics; x and weight (E,) bf16, contiguous."""
+        assert x.dtype == weight.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[1:] == weight.shape
+        out = torch.empty_like(x)
+        self._norm(x.data_ptr(), x.shape[1], weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up (T, 2 I) bf16, contiguous -> SiLU(gate) * up (T, I) bf16."""
+        assert gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and gate_up.dim() == 2
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), *out.shape)
+        return out
+
+
 @cache
 def paged_decode() -> PagedDecode | None:
     """The paged decode kernel, built if need be; None when it cannot be had here (logged once)."""
+    lib = _load(SOURCE, "paged attention kernel unavailable (%s); decode attention gathers blocks instead")
+    return None if lib is None else PagedDecode(lib)
+
+
+@cache
+def norm_act() -> NormAct | None:
+    """The bf16 RMSNorm / SiLU-and-multiply kernels, built if need be; None when they cannot be had here."""
+    lib = _load(NORM_ACT_SOURCE, "norm/activation kernels unavailable (%s); the model keeps torch's ops for them")
+    return None if lib is None else NormAct(lib)
+
+
+def _load(source: Path, unavailable: str) -> ctypes.CDLL | None:
+    """`source` built and loaded; None, with `unavailable` logged, when it cannot be (or KVSTRATA_KERNELS=0)."""
     if os.environ.get("KVSTRATA_KERNELS", "1") == "0":
         return None
     try:
-        return PagedDecode(ctypes.CDLL(str(_build())))
+        return ctypes.CDLL(str(_build(source)))
     except subprocess.CalledProcessError as e:
         reason = f"{' '.join(e.cmd)} failed: {e.stderr.strip()[-2000:]}"
     except OSError as e:                    # FileNotFoundError (no compiler) included
         reason = str(e)
-    logger.warning("paged attention kernel unavailable (%s); decode attention gathers blocks instead", reason)
+    logger.warning(unavailable, reason)
     return None
 
 
-def _build() -> Path:
+def _build(source: Path) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise FileNotFoundError("no C++ compiler (g++) on PATH")
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    tag = hashlib.sha256(text + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     root = cache_dir() / "kernels"
-    target = root / f"paged_attention-{tag}.so"
+    target = root / f"{source.stem}-{tag}.so"
     if target.exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    logger.info("building the paged attention kernel into %s (once per source change, ~30 s)", root)
+    logger.info("building %s into %s (once per source change, ~30 s)", source.name, root)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -145,6 +197,7 @@ def _build() -> Path:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    built = paged_decode() is not None
-    print(f"paged attention kernel: {_build() if built else 'unavailable (KVSTRATA_KERNELS=0, or see above)'}")
-    raise SystemExit(0 if built else 1)
+    built = {source: kernel() is not None for source, kernel in ((SOURCE, paged_decode), (NORM_ACT_SOURCE, norm_act))}
+    for source, ok in built.items():
+        print(f"{source.stem}: {_build(source) if ok else 'unavailable (KVSTRATA_KERNELS=0, or see above)'}")
+    raise SystemExit(0 if all(built.values()) else 1)

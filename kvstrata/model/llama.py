@@ -28,21 +28,25 @@ from kvstrata.model.arch import ModelArch
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
 from kvstrata.model.gguf_bits import GGUFBlocks, Int4Linear
+from kvstrata.model.kernels import NormAct, norm_act
 from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
 from kvstrata.model.rope import RotaryTables, apply_rotary
 
 logger = logging.getLogger(__name__)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, stat_dtype: torch.dtype = torch.float32
-             ) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, stat_dtype: torch.dtype = torch.float32,
+             fused: NormAct | None = None) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalize in float32, scale in the model dtype. In float32 that is
-    `F.rms_norm` (one op to dispatch, half the time of five at one row); in bfloat16 five plain ops,
-    since `F.rms_norm` would scale in float32. `stat_dtype=float64` sums the mean square in float64:
-    torch splits one row's sum across threads but not a batch's rows, so in float32 a row's bits
-    depend on the batch, which bf16 rounding can turn into another greedy token."""
+    `F.rms_norm` (one op to dispatch, half the time of five at one row); in bfloat16 our kernel when
+    `fused` (one call, a row's sum in a fixed order), else ten plain ops, since `F.rms_norm` would
+    scale in float32. `stat_dtype=float64` sums the mean square in float64: torch splits one row's sum
+    across threads but not a batch's rows, so in float32 a row's bits depend on the batch, which bf16
+    rounding can turn into another greedy token."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
+    if fused is not None:
+        return fused.rms_norm(x, weight, eps)
     xs = x.to(stat_dtype)
     normed = (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True).add_(eps))).float()
     return weight * normed.to(x.dtype)
@@ -59,6 +63,7 @@ class DecoderLayer(nn.Module):
         qkv = arch.q_size + 2 * arch.kv_size
         self.arch = arch
         self.norm_stat_dtype = torch.float32       # float64 after LlamaModel.sum_exactly
+        self.norm_act: NormAct | None = None       # set by LlamaModel.fuse_norm_act
         self.input_norm = _param(e, dtype=dtype)
         self.qkv = _param(qkv, e, dtype=dtype)
         self.qkv_bias = _param(qkv, dtype=dtype) if arch.attention_bias else None
@@ -80,7 +85,7 @@ class DecoderLayer(nn.Module):
         a = self.arch
         t = h.shape[0]
         nh, nkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        x = rms_norm(h, self.input_norm, a.rms_norm_eps, self.norm_stat_dtype)    # (T, E)
+        x = rms_norm(h, self.input_norm, a.rms_norm_eps, self.norm_stat_dtype, self.norm_act)    # (T, E)
         qkv = self.projections["qkv"](x)                                          # (T, (H + 2 KVH) D)
         qk = apply_rotary(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # (T, H + KVH, D)
         return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * d:].view(t, nkv, d)
@@ -90,8 +95,10 @@ class DecoderLayer(nn.Module):
         O projection, residual, RMSNorm, fused gate|up, SiLU(gate) * up, down, residual."""
         proj = self.projections
         h = h + proj["o"](o)
-        x = rms_norm(h, self.post_norm, self.arch.rms_norm_eps, self.norm_stat_dtype)
+        x = rms_norm(h, self.post_norm, self.arch.rms_norm_eps, self.norm_stat_dtype, self.norm_act)
         gu = proj["gate_up"](x)                                                   # (T, 2 I)
+        if self.norm_act is not None:
+            return h + proj["down"](self.norm_act.silu_mul(gu))
         i = self.arch.intermediate_size
         return h + proj["down"](F.silu(gu[:, :i]) * gu[:, i:])
 
@@ -116,6 +123,7 @@ class LlamaModel(nn.Module):
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.norm_stat_dtype = torch.float32
         self.exact_sums = False                                 # set by sum_exactly
+        self.norm_act: NormAct | None = None                    # set by fuse_norm_act
         self.head: Projection | None = None                     # set by load_hf_weights
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -190,6 +198,20 @@ class LlamaModel(nn.Module):
         self.head = pack(self.head)
         self.lm_head = None
 
+    def fuse_norm_act(self) -> bool:
+        """RMSNorm and SiLU-and-multiply by our bf16 kernels (kvstrata.model.kernels.NormAct), one call
+        each where torch dispatches ten ops and four, when they take this model; returns whether they
+        do. Not with --compile (dynamo cannot trace a ctypes call), nor after `sum_exactly` (float64
+        statistics stay torch's, so an exact engine's bits are what they were)."""
+        fused = norm_act()
+        if fused is None or self.exact_sums or not fused.takes(self.dtype, self.device, self.arch.hidden_size,
+                                                               self.arch.intermediate_size):
+            return False
+        self.norm_act = fused
+        for layer in self.layers:
+            layer.norm_act = fused
+        return True
+
     def sum_exactly(self) -> None:
         """`--batch-invariant`: attention and the norms' statistics summed in float64 (attention in
         the paged kernel, whose sums follow the row alone, when it can read the cache), and a lone
@@ -234,5 +256,6 @@ class LlamaModel(nn.Module):
             q, k, v = before(layer, h, cos, sin)
             kv.write(index, plan.slot_mapping, k, v)
             h = after(layer, h, self.attn(q, k, v, kv.layer(index), plan))
-        h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps, self.norm_stat_dtype)   # (S, E)
+        h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps, self.norm_stat_dtype,
+                     self.norm_act)                                 # (S, E)
         return self.head(h).float()                                 # (S, vocab)

@@ -252,6 +252,8 @@ def _build(hf_config: dict, tensors: Any, folder: Path | None, tokenizer_folder:
     if exact_sums:
         identity["exact_sums"] = True
         model.sum_exactly()
+    if not traceable and model.fuse_norm_act():      # other last bits than torch's ops: other KV
+        identity["norm_act"] = kernels.NORM_ACT_REVISION
     # Exact attention (int8, exact sums) gives other last bits in the paged kernel than in float64:
     # an engine without the kernel (no compiler) must not serve a kernel engine's KV, or the reverse,
     # nor one kernel revision another's.

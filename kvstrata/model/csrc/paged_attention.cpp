@@ -25,33 +25,13 @@
 
 #include <omp.h>
 
-namespace {
+#include "vec16.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-typedef uint16_t h16v __attribute__((vector_size(32)));
+namespace {
 
 constexpr int W = 16;            // lanes, and keys per tile
 constexpr int MAX_G = 16;        // query rows per kv head
 constexpr int MAX_D = 256;       // head dim
-
-#define INLINE inline __attribute__((always_inline))
-
-INLINE v16 splat(float x) {         // a broadcast (v16{} + x would add 0 too: -0 is not +0)
-    const v16 v{x};
-    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-}
-
-INLINE v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-
-INLINE v16 load(const uint16_t* p) {     // bfloat16 -> float32: the bf16 bits are the float's high half
-    h16v h; std::memcpy(&h, p, sizeof h);
-    u16v u = __builtin_convertvector(h, u16v) << 16;
-    v16 v; std::memcpy(&v, &u, sizeof v); return v;
-}
-
-INLINE void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
 // Lane i of the result: the sum of the lanes of a[i] (sixteen horizontal sums by halving folds).
 INLINE v16 fold(v16 a, v16 b, int half) {
@@ -79,41 +59,6 @@ INLINE v16 transpose_sum(v16* a) {      // a[16] -> r with r[i] = sum of a[i]'s 
         for (int i = 0; i < n / 2; ++i) a[i] = fold(a[2 * i], a[2 * i + 1], half);
     // after the folds, lane i holds key (bit-reversed i)'s sum; put them back in key order
     return __builtin_shufflevector(a[0], a[0], 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-}
-
-INLINE v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
-// Lane folds (halves, quarters, ...): a fixed order of sums, whatever the target.
-INLINE float lanes_max(v16 v) {
-    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-    return v[0];
-}
-INLINE float lanes_sum(v16 v) {
-    v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v = v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
-}
-
-// e^x for x <= 0 (scores minus their running max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2.
-INLINE v16 exp16(v16 x) {
-    x = x < -87.f ? splat(-87.f) : x;
-    v16 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;   // round to nearest
-    v16 r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
-    v16 scale; std::memcpy(&scale, &e, sizeof scale);
-    return p * scale;
 }
 
 // One row's online softmax over a tile's scores s (lanes not `valid` ignored): its weights into p, its
