@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 	# tests/model/test_paged_kernel.py fails (install g++, or run with KVSTRATA_KERNELS=0 to test the torch path).
 	$(BIN)/python -m kvstrata.model.kernels || echo "WARNING: no paged attention kernel (is g++ installed?):" \
 		"attention gathers blocks in torch; the kernel tests will fail until g++ is on the PATH"
+	# jemalloc for `kvstrata serve --allocator auto` (glibc's heaps fragment over a long run; see
+	# kvstrata/entrypoints/cli/allocator.py): Debian's library unpacked into the venv, no root; skipped elsewhere.
+	(cd $(VENV) && apt-get download libjemalloc2 >/dev/null 2>&1 && dpkg-deb -x libjemalloc2_*.deb jemalloc \
+		&& rm -f libjemalloc2_*.deb) || echo "NOTE: no jemalloc unpacked (no apt-get?): kvstrata serve uses glibc's malloc"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -25,6 +25,7 @@ LOAD_FORMATS = ("auto", "dummy")
 POLICIES = ("fcfs", "priority", "lpm")
 WRITE_POLICIES = ("write_back", "write_through")
 DISAGGREGATION_MODES = ("both", "prefill", "decode")
+ALLOCATORS = ("auto", "jemalloc", "glibc")
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32
 SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -252,6 +253,9 @@ class ServerConfig:
                                      "the oldest is dropped first)")
     kv_events_kept: int = _opt(65536, "KV cache events kept for routers polling GET /v1/kv_events (~160 bytes "
                                       "each); a router further behind gets a snapshot of every hash held instead")
+    allocator: str = _opt("auto", "the server's malloc: jemalloc returns freed memory to the OS where glibc's heaps "
+                                  "fragment over hours (make install unpacks it into the venv); auto: jemalloc "
+                                  "where found, else glibc", ALLOCATORS)
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
     allowed_origins: str | None = _opt(None, "browser origins allowed to call the API (CORS), comma-separated, "
                                              "or *; default: none (no CORS headers)")
@@ -274,6 +278,8 @@ class ServerConfig:
         _require(self.max_queue >= 1, "max_queue must be at least 1")
         _require(self.timelines_kept >= 1, "timelines_kept must be at least 1")
         _require(self.kv_events_kept >= 1, "kv_events_kept must be at least 1")
+        _require(self.allocator in ALLOCATORS, f"allocator must be one of {', '.join(ALLOCATORS)}, not "
+                 f"{self.allocator!r}")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout must not be negative")
         _require(self.otlp_traces_endpoint is None or self.otlp_traces_endpoint.startswith(("http://", "https://")),
                  f"otlp_traces_endpoint must be an http:// or https:// URL, not {self.otlp_traces_endpoint!r}")

@@ -87,7 +87,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 @dataclass(frozen=True)
 class HeapStats:
-    """glibc malloc's bytes: handed out (in_use, mmapped chunks included), and held free in its heaps."""
+    """malloc's bytes: handed out (in_use, glibc's mmapped chunks included), and held beyond that (free)."""
 
     in_use: int
     free: int
@@ -99,10 +99,31 @@ class _MallInfo2(ctypes.Structure):
 
 
 def heap_stats() -> HeapStats | None:
-    """malloc's figures for the whole process (every arena), or None without glibc's mallinfo2 (2.33+)."""
+    """malloc's figures for the whole process (every arena): jemalloc's where it is preloaded (`kvstrata
+    serve --allocator`: handed out, and resident beyond that), else glibc's; None without either."""
+    jemalloc = _jemalloc_stats()
+    if jemalloc is not None:
+        return jemalloc
     mallinfo2 = _glibc("mallinfo2")
     if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return HeapStats(in_use=info.uordblks + info.hblkhd, free=info.fordblks)
+
+
+def _jemalloc_stats() -> HeapStats | None:
+    """jemalloc's stats.allocated and stats.resident - stats.allocated, refreshed; None where it is not loaded."""
+    mallctl = _glibc("mallctl")
+    if mallctl is None:
+        return None
+    mallctl.restype = ctypes.c_int
+    epoch, size = ctypes.c_uint64(1), ctypes.c_size_t(8)
+    mallctl(b"epoch", ctypes.byref(epoch), ctypes.byref(size), ctypes.byref(epoch), size)
+    values = {}
+    for name in ("stats.allocated", "stats.resident"):
+        value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+        if mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+            return None
+        values[name] = value.value
+    return HeapStats(in_use=values["stats.allocated"], free=values["stats.resident"] - values["stats.allocated"])

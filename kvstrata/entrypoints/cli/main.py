@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     pin_mmap_threshold()        # before the first big buffer is freed (kvstrata.engine.heap_trim)
     bound_kernel_caches()       # before any command makes a oneDNN kernel (kvstrata.model.onednn)
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else None     # a real command line: `serve` may re-execute it
     args.log_level = getattr(args, "log_level", None) or getattr(args, "default_log_level", "WARNING")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

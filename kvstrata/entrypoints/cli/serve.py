@@ -11,6 +11,7 @@ import signal
 import time
 
 from kvstrata.core.config import EngineConfig, ServerConfig
+from kvstrata.entrypoints.cli.allocator import run_on_jemalloc
 from kvstrata.entrypoints.flags import add_engine_flags, add_section_flags, engine_config
 
 
@@ -35,6 +36,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"two models given: {args.model_arg} and --model {args.model}")
         args.model = args.model_arg
     server = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}).validate()
+    if getattr(args, "argv", None) is not None:
+        run_on_jemalloc(server.allocator, args.argv)     # returns only where the process stays on glibc
     started = time.monotonic()
     tracing = None
     if server.otlp_traces_endpoint is not None:     # before loading, so a missing package fails at once

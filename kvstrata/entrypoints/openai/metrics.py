@@ -140,8 +140,8 @@ def _heap():
     Python objects alive (pymalloc blocks). A long run that grows one of these says which kind it is."""
     stats = heap_stats()
     if stats is not None:
-        heap = GaugeMetricFamily("kvstrata_heap_bytes", "glibc malloc's bytes: in_use (handed out) and free (held "
-                                 "in its heaps, not returned to the OS)", labels=["kind"])
+        heap = GaugeMetricFamily("kvstrata_heap_bytes", "malloc's bytes (jemalloc's under --allocator, else glibc's): "
+                                 "in_use (handed out) and free (held beyond that, not returned to the OS)", labels=["kind"])
         heap.add_metric(["in_use"], stats.in_use)
         heap.add_metric(["free"], stats.free)
         yield heap
