@@ -289,10 +289,42 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT folders) on top of the base model; a request "
+                                    "picks one by its `model` field")
+    lora_modules: tuple[str, ...] = _opt((), "adapters to serve from the start, as NAME=PATH (PEFT's "
+                                             "adapter_config.json + adapter_model.safetensors); implies --enable-lora")
+    max_loras: int = _opt(4, "adapters held in memory at once: beyond them the least recently used one with "
+                             "no request in flight is dropped and read again from disk when asked for; a "
+                             "request whose adapter finds every slot busy waits, it is not refused")
+    max_lora_rank: int = _opt(64, "the highest adapter rank accepted (a higher one is refused when loaded)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def modules(self) -> dict[str, str]:
+        """--lora-modules as name -> path; ValueError naming a malformed or repeated entry."""
+        named: dict[str, str] = {}
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            _require(bool(sep and name.strip() and path.strip()), f"--lora-modules takes NAME=PATH, not {entry!r}")
+            _require(name not in named, f"--lora-modules names {name!r} twice")
+            named[name.strip()] = path.strip()
+        return named
+
+    def validate(self) -> None:
+        self.modules()
+        _require(self.max_loras >= 1, "max_loras must be at least 1")
+        _require(1 <= self.max_lora_rank <= 1024, "max_lora_rank must be in [1, 1024]")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     audit_every_step: bool = _opt(False, "check block conservation and refcounts after every step")
     speculative_config: SpeculativeConfig | None = None     # None: no speculation (predicted outputs still draft)
 
@@ -300,6 +332,12 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.lora.validate()
+        if self.lora.enabled:
+            _require(not self.model.compile, "--enable-lora does not run with --compile (adapters are applied "
+                                             "outside the compiled graphs); drop one of them")
+            _require(not self.model.batch_invariant, "--enable-lora does not run with --batch-invariant (an "
+                                                     "adapter's rows are summed by group); drop one of them")
         if self.speculative_config is not None:
             self.speculative_config.validate()
         return self
@@ -308,14 +346,14 @@ class EngineConfig:
     def from_options(cls, **options) -> EngineConfig:
         """Build from flat field names of any section: `EngineConfig.from_options(block_size=32, model=...)`."""
         sections = {}
-        for name in ("model", "cache", "scheduler"):
+        for name in ("model", "cache", "scheduler", "lora"):
             section_type = {f.name: f for f in dataclasses.fields(cls)}[name].default_factory
             fields = {f.name: f for f in dataclasses.fields(section_type)}
             values = {k: options.pop(k) for k in list(options) if k in fields}
             if values.get("store_path") is not None and values.get("store", "none") == "none":
                 values["store"] = "disk"            # a store folder means the disk store
-            sections[name] = section_type(**{k: parse_size(v) if fields[k].metadata.get("size") else v
-                                             for k, v in values.items()})
+            sections[name] = section_type(**{k: parse_size(v) if fields[k].metadata.get("size") else
+                                             tuple(v) if isinstance(v, list) else v for k, v in values.items()})
         top = {k: options.pop(k) for k in list(options) if k in {f.name for f in dataclasses.fields(cls)}}
         if "speculative_config" in top:
             top["speculative_config"] = SpeculativeConfig.parse(top["speculative_config"])

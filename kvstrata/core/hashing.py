@@ -2,8 +2,10 @@
 
 A block's hash covers its own token ids and, through its parent's hash, every
 token before it, so equal hashes mean equal prefixes. The chain is rooted in
-(model fingerprint, cache salt): KV computed by another model, or for another
-tenant, can never match.
+(model fingerprint, cache salt, LoRA adapter digest): KV computed by another
+model, for another tenant or under another adapter can never match. The adapter
+enters by the digest of its files, never by its name, so two adapters loaded
+under one name (a reload with new weights) never share a block.
 
 Stores are shared by many engines on many machines, so the hash must be the same
 everywhere: xxh3-128 over a canonical byte encoding (little-endian uint32 token
@@ -34,9 +36,12 @@ def encode_tokens(token_ids: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(token_ids)}I", *token_ids)
 
 
-def chain_root(model_fingerprint: str, cache_salt: str = "") -> BlockHash:
-    """The parent hash of a sequence's first block."""
+def chain_root(model_fingerprint: str, cache_salt: str = "", adapter_digest: str = "") -> BlockHash:
+    """The parent hash of a sequence's first block. The base model's roots (no adapter) are those of
+    every earlier release, so stores written before adapters existed still hit."""
     material = b"\0".join((HASH_FORMAT_VERSION, model_fingerprint.encode(), cache_salt.encode()))
+    if adapter_digest:
+        material += b"\0lora\0" + adapter_digest.encode()
     return hashlib.sha256(material).digest()[:16]
 
 
@@ -52,8 +57,9 @@ class BlockHasher:
     root: BlockHash
 
     @classmethod
-    def create(cls, block_size: int, model_fingerprint: str, cache_salt: str = "") -> BlockHasher:
-        return cls(block_size, chain_root(model_fingerprint, cache_salt))
+    def create(cls, block_size: int, model_fingerprint: str, cache_salt: str = "",
+               adapter_digest: str = "") -> BlockHasher:
+        return cls(block_size, chain_root(model_fingerprint, cache_salt, adapter_digest))
 
     def extend(self, hashes: list[BlockHash], token_ids: Sequence[int]) -> None:
         """Append the hash of every block of `token_ids` that is full but not yet hashed."""

@@ -54,6 +54,15 @@ class DraftHistory:
     next_pause: int = 0            # output tokens the next pause lasts (0: the first pause's)
 
 
+@dataclass(frozen=True)
+class AdapterRef:
+    """The LoRA adapter a request runs under: its name (what the client asked for) and the digest of
+    its files (what its blocks are keyed by, through the hasher's root)."""
+
+    name: str
+    digest: str
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request. Mutated only by the scheduler (and the engine for stop strings)."""
@@ -82,6 +91,7 @@ class Request:
     num_draft_tokens: int = 0      # draft tokens verified so far
     num_accepted_tokens: int = 0   # of them, accepted
     draft_history: DraftHistory = field(default_factory=DraftHistory)
+    adapter: AdapterRef | None = None              # None: the base model
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

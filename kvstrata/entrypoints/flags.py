@@ -15,13 +15,15 @@ from kvstrata.core.config import (
     SPECULATIVE_EXAMPLE,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     format_size,
     parse_size,
 )
 
-ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                   ("lora", LoRAConfig))
 
 
 def _flag_type(field: dataclasses.Field, hint: object) -> Callable[[str], object]:
@@ -49,6 +51,9 @@ def add_section_flags(parser: argparse.ArgumentParser, title: str, section: type
         if hints[field.name] is bool:
             group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
                                default=field.default, help=_help_text(field))
+        elif typing.get_origin(hints[field.name]) is tuple:       # a list of values: --flag A B C
+            group.add_argument(flag, dest=field.name, nargs="+", default=field.default, metavar="NAME=PATH"
+                               if field.name == "lora_modules" else None, help=field.metadata.get("help", ""))
         else:
             group.add_argument(flag, dest=field.name, type=_flag_type(field, hints[field.name]),
                                default=field.default, choices=field.metadata.get("choices"),

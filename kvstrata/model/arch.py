@@ -112,3 +112,17 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         attention_bias=qkv_bias,
         attention_out_bias=out_bias,
     )
+
+
+def resolve_max_model_len(asked: int | None, arch: ModelArch) -> int:
+    """The context length to enforce: the model's `max_position_embeddings` unless asked for less.
+
+    Longer is refused: the rotary tables stop there, and a RoPE-scaled checkpoint (linear, llama3)
+    already states its extended context in that field."""
+    limit = arch.max_position_embeddings
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(f"max_model_len {asked} is longer than the model's context ({limit} tokens, its "
+                         f"max_position_embeddings); use --max-model-len {limit} or less")
+    return asked

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.kvcache.prefix_groups import DecodeGroup  # re-exported: it lives where torch is not needed
+from kvstrata.model.lora import LoRABatch
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ForwardBatch:
     num_decodes: int               # sequences [0, num_decodes) have exactly one query token
     logits_indices: torch.Tensor   # (S,) int64, token rows whose logits are returned, in order
     decode_groups: list[DecodeGroup] = field(default_factory=list)   # back to back from row 0
+    lora: LoRABatch | None = None  # the rows that run under an adapter (kvstrata.model.lora); None: all base
 
     @property
     def num_tokens(self) -> int:

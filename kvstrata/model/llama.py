@@ -30,6 +30,7 @@ from kvstrata.model.forward_batch import ForwardBatch
 from kvstrata.model.gguf_bits import GGUFBlocks, Int4Linear
 from kvstrata.model.kernels import NormAct, norm_act
 from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
+from kvstrata.model.lora import LoRABatch
 from kvstrata.model.rope import RotaryTables, apply_rotary
 
 logger = logging.getLogger(__name__)
@@ -57,11 +58,12 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         e, i = arch.hidden_size, arch.intermediate_size
         qkv = arch.q_size + 2 * arch.kv_size
         self.arch = arch
+        self.index = index                         # its place in the stack (which adapter weights it takes)
         self.norm_stat_dtype = torch.float32       # float64 after LlamaModel.sum_exactly
         self.norm_act: NormAct | None = None       # set by LlamaModel.fuse_norm_act
         self.input_norm = _param(e, dtype=dtype)
@@ -79,28 +81,32 @@ class DecoderLayer(nn.Module):
         biases = {"qkv": self.qkv_bias, "o": self.o_bias, "gate_up": None, "down": None}
         self.projections = {name: DenseLinear(getattr(self, name), bias) for name, bias in biases.items()}
 
-    def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def project(self, name: str, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """One projection, plus the step's adapters' low-rank updates on their rows (kvstrata.model.lora)."""
+        y = self.projections[name](x)
+        return y if lora is None else lora.apply(self.index, name, x, y)
+
+    def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoRABatch | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (T, E) -> q (T, H, D), k and v (T, KVH, D): RMSNorm, fused QKV, RoPE on q and k."""
         a = self.arch
         t = h.shape[0]
         nh, nkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         x = rms_norm(h, self.input_norm, a.rms_norm_eps, self.norm_stat_dtype, self.norm_act)    # (T, E)
-        qkv = self.projections["qkv"](x)                                          # (T, (H + 2 KVH) D)
+        qkv = self.project("qkv", x, lora)                                        # (T, (H + 2 KVH) D)
         qk = apply_rotary(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # (T, H + KVH, D)
         return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * d:].view(t, nkv, d)
 
-    def after_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def after_attention(self, h: torch.Tensor, o: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """The residual stream h (T, E) and attention's output o (T, H D) -> the layer's output (T, E):
         O projection, residual, RMSNorm, fused gate|up, SiLU(gate) * up, down, residual."""
-        proj = self.projections
-        h = h + proj["o"](o)
+        h = h + self.project("o", o, lora)
         x = rms_norm(h, self.post_norm, self.arch.rms_norm_eps, self.norm_stat_dtype, self.norm_act)
-        gu = proj["gate_up"](x)                                                   # (T, 2 I)
+        gu = self.project("gate_up", x, lora)                                     # (T, 2 I)
         if self.norm_act is not None:
-            return h + proj["down"](self.norm_act.silu_mul(gu))
+            return h + self.project("down", self.norm_act.silu_mul(gu), lora)
         i = self.arch.intermediate_size
-        return h + proj["down"](F.silu(gu[:, :i]) * gu[:, i:])
+        return h + self.project("down", F.silu(gu[:, :i]) * gu[:, i:], lora)
 
 
 class LlamaModel(nn.Module):
@@ -112,7 +118,7 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device     # canonical: 'cuda' -> 'cuda:0'
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, index) for index in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dtype)
         self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size,
                                                                     dtype=dtype)
@@ -252,10 +258,11 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope.lookup(batch.positions)                 # (T, 1, D) each
         h = F.embedding(batch.input_ids, self.embed_tokens)         # (T, E)
         before, after = self.layer_steps
+        lora = batch.lora
         for index, layer in enumerate(self.layers):
-            q, k, v = before(layer, h, cos, sin)
+            q, k, v = before(layer, h, cos, sin, lora)
             kv.write(index, plan.slot_mapping, k, v)
-            h = after(layer, h, self.attn(q, k, v, kv.layer(index), plan))
+            h = after(layer, h, self.attn(q, k, v, kv.layer(index), plan), lora)
         h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps, self.norm_stat_dtype,
                      self.norm_act)                                 # (S, E)
         return self.head(h).float()                                 # (S, vocab)

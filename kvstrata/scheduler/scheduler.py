@@ -114,6 +114,17 @@ class Scheduler:
     # ---- intake ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request (a family: its leader), or raise ValueError if it could never run to completion."""
+        samples = self.check(request)
+        order = next(self._seq)
+        for sample in samples:
+            sample.status = RequestStatus.AWAITING_FORK
+            self.requests[sample.request_id] = sample
+            self._arrival_order[sample.request_id] = order
+        request.status = RequestStatus.WAITING
+        self._enqueue(request)
+
+    def check(self, request: Request) -> list[Request]:
+        """Its samples if `add_request` would take the request; ValueError (nothing changed) if it never could."""
         max_len = self.config.max_model_len
         samples = request.family.samples if request.family is not None else [request]
         assert samples[0] is request, "a family is added through its leader"
@@ -139,13 +150,7 @@ class Scheduler:
             raise RequestRejected(f"the request may need {need} KV blocks but the device cache holds only "
                                   f"{self.tiers.device.num_blocks}; lower max_tokens (or n) or give the cache "
                                   "more memory", "max_tokens")
-        order = next(self._seq)
-        for sample in samples:
-            sample.status = RequestStatus.AWAITING_FORK
-            self.requests[sample.request_id] = sample
-            self._arrival_order[sample.request_id] = order
-        request.status = RequestStatus.WAITING
-        self._enqueue(request)
+        return samples
 
     def _rank(self, request: Request) -> tuple:
         """Best first: lower priority value (under the priority policy), then earlier arrival; a

@@ -20,6 +20,7 @@ from kvstrata.kvcache.mover import TierBuffers, host_cache
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
 from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
 from kvstrata.model.loader import LoadedModel
+from kvstrata.model.lora import LoRAWeights, group_rows
 from kvstrata.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from kvstrata.structured.grammar import GrammarMasker
 from kvstrata.worker.logprobs import token_logprobs
@@ -69,6 +70,10 @@ def prompt_logprob_positions(chunk: ScheduledChunk) -> range:
     return range(chunk.start, min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1))
 
 
+def _adapter_key(chunk: ScheduledChunk) -> str:
+    return chunk.request.adapter.digest if chunk.request.adapter is not None else ""
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: CacheConfig, seed: int | None = None):
         self.model = loaded.model
@@ -82,6 +87,7 @@ class ModelRunner:
         grammars = (GrammarMasker(loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids)
                     if loaded.tokenizer is not None else None)
         self.sampler = Sampler(loaded.eos_token_ids, seed=seed, grammars=grammars)
+        self.lora: dict[str, LoRAWeights] = {}     # the resident adapters by digest (kept by the engine's Adapters)
         # whether decodes read their own blocks in place (the paged kernel) or gather them: the
         # simulator's cost model counts a step's work one way or the other
         self.decodes_in_place = self.model.attn.reads_in_place(self.block_size, loaded.dtype, self.device)
@@ -94,10 +100,13 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepResult:
         if output.is_empty:
             return StepResult({}, {})
-        decodes = [c for c in output.chunks if c.num_tokens == 1]
+        # Each adapter's rows side by side (a stable sort: a step without adapters keeps its order), so
+        # its low-rank updates read a slice of the batch rather than gathered rows (kvstrata.model.lora).
+        decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=_adapter_key)
         order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes],
                                       self.block_size, group_cost_tokens(self.decodes_in_place))
-        chunks = [decodes[i] for i in order] + [c for c in output.chunks if c.num_tokens != 1]
+        chunks = [decodes[i] for i in order] + sorted((c for c in output.chunks if c.num_tokens != 1),
+                                                      key=_adapter_key)
         batch = self.build_batch(chunks, groups)
         with torch.inference_mode():
             logits = self.model(batch, self.kv)                              # (S + D + P, V) float32
@@ -165,8 +174,11 @@ class ModelRunner:
         logits_rows += [int(query_start[i]) + p - c.start for i, c in enumerate(chunks)
                         for p in prompt_logprob_positions(c)]
         to = lambda a: torch.from_numpy(a).to(self.device)                 # noqa: E731
+        adapters = [c.request.adapter for c in chunks]
+        lora = group_rows([None if a is None else self.lora[a.digest] for a in adapters], lengths.tolist(),
+                          self.device) if any(adapters) else None
         return ForwardBatch(
             input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),
             block_tables=to(tables), seq_lens=to(seq_lens), query_start_loc=query_start.tolist(),
             num_decodes=int((lengths == 1).sum()),
-            logits_indices=to(np.array(logits_rows, dtype=np.int64)), decode_groups=list(groups or ()))
+            logits_indices=to(np.array(logits_rows, dtype=np.int64)), decode_groups=list(groups or ()), lora=lora)

@@ -1,0 +1,139 @@
+"""LoRA adapters: greedy parity with transformers + PEFT (fp32, token for token, adapters and the base
+mixed in one batch), PEFT folders that cannot be served (refused with a message, nothing kept), and
+how a step's rows are grouped by adapter."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvstrata.core.config import EngineConfig
+from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.model.lora import AdapterError, adapter_digest, group_rows, load_adapter
+
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,",
+    "The three primary colors are", "To make a cup of tea, first", "import numpy as np\n",
+    "The best way to learn a language is", "Water boils at", "Dear hiring manager,",
+    "The mitochondria is", "SELECT name FROM users WHERE", "In 1969, the first person to walk on the moon",
+    "A haiku about paging:\n", "The quick brown fox", "Photosynthesis converts", "My favourite book is",
+    "Rivers flow into", "The square root of 144 is", "Here is a list of fruits: apple,", "Tomorrow I will",
+]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def lora_engine(smollm2, lora_adapters):
+    modules = tuple(f"{name}={path}" for name, path in lora_adapters.items())
+    return LLMEngine(EngineConfig.from_options(kv_cache_memory="64MiB", audit_every_step=True, lora_modules=modules,
+                                               max_loras=4), loaded=smollm2)
+
+
+def _peft_greedy(smollm2, folder, prompts):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(smollm2.folder, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, folder).eval()
+    out = []
+    for prompt in prompts:
+        ids = smollm2.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            tokens = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        out.append(tokens[0, len(ids):].tolist())
+    return out
+
+
+def test_greedy_outputs_equal_peft_for_three_adapters_batched_with_the_base(smollm2, lora_adapters, lora_engine):
+    names = ["alpha", "beta", "gamma"]
+    # every prompt under every adapter and the base, interleaved, in one generate call: one batch mixes them
+    work = [(name, prompt) for prompt in PROMPTS for name in (*names, None)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    outputs = lora_engine.generate([p for _, p in work], params, lora=[n for n, _ in work])
+    ours = {(name, prompt): out.new_token_ids for (name, prompt), out in zip(work, outputs)}
+    differs = 0
+    for name in names:            # the base model's own parity with transformers: tests/model/test_model.py
+        reference = _peft_greedy(smollm2, lora_adapters[name], PROMPTS)
+        for prompt, expected in zip(PROMPTS, reference):
+            assert ours[(name, prompt)] == expected, (name, prompt)
+            differs += expected != ours[(None, prompt)]
+    assert differs >= 30, f"only {differs} of 60 adapter outputs differ from the base model's: adapters too weak"
+
+
+def test_an_adapter_is_fused_into_the_decoders_projections(smollm2, lora_adapters):
+    arch = smollm2.arch
+    beta = load_adapter("beta", lora_adapters["beta"], arch, torch.float32, smollm2.device, 64)
+    assert beta.rank == 16 and len(beta.layers) == arch.num_layers
+    assert set(beta.layers[0]) == {"qkv", "o"}           # attention only
+    qkv = beta.layers[0]["qkv"]
+    assert qkv.a.shape == (48, arch.hidden_size) and qkv.b.shape == (arch.q_size + 2 * arch.kv_size, 48)
+    assert not qkv.b[:arch.q_size, 16:].any()            # block-diagonal: q's rows read only q's A
+    gamma = load_adapter("gamma", lora_adapters["gamma"], arch, torch.float32, smollm2.device, 64)
+    assert set(gamma.layers[3]) == {"gate_up", "down"}
+    assert beta.digest == adapter_digest(lora_adapters["beta"]) != gamma.digest
+
+
+def _broken(tmp_path, folder, how):
+    """A copy of `folder` broken one way; returns its path."""
+    bad = tmp_path / how
+    shutil.copytree(folder, bad)
+    weights, config = bad / "adapter_model.safetensors", bad / "adapter_config.json"
+    if how == "no_weights":
+        weights.unlink()
+    elif how == "bad_json":
+        config.write_text("{not json")
+    elif how == "dora":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "use_dora": True}))
+    elif how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        tensors = load_file(weights)
+        key = next(k for k in tensors if "q_proj.lora_B" in k)
+        if how == "bad_shape":
+            tensors[key] = tensors[key][:-3]
+        elif how == "embedding":
+            tensors["base_model.model.model.embed_tokens.lora_A.weight"] = torch.zeros(8, 576)
+        elif how == "missing_b":
+            del tensors[key]
+        save_file(tensors, weights)
+    return bad
+
+
+BROKEN = {"no_weights": "adapter_model.safetensors", "bad_json": "not valid JSON", "dora": "use_dora",
+          "truncated": "cannot read", "bad_shape": "do not fit", "embedding": "cannot apply", "missing_b": "lora_B missing"}
+
+
+@pytest.mark.parametrize("how", sorted(BROKEN))
+def test_an_adapter_that_cannot_be_served_is_refused_and_nothing_is_kept(lora_engine, lora_adapters, tmp_path, how):
+    adapters = lora_engine.adapters
+    before = (dict(adapters.registered), dict(adapters.resident), dict(lora_engine.runner.lora), dict(adapters.users))
+    with pytest.raises(AdapterError, match=BROKEN[how]):
+        adapters.register("broken", _broken(tmp_path, lora_adapters["alpha"], how))
+    assert (dict(adapters.registered), dict(adapters.resident), dict(lora_engine.runner.lora),
+            dict(adapters.users)) == before
+    lora_engine.scheduler.audit()
+    adapters.audit()
+
+
+def test_over_rank_and_missing_folders_are_refused(smollm2, lora_adapters, tmp_path):
+    with pytest.raises(AdapterError, match="rank 16, over --max-lora-rank 8"):
+        load_adapter("beta", lora_adapters["beta"], smollm2.arch, torch.float32, smollm2.device, 8)
+    with pytest.raises(AdapterError, match="no adapter folder"):
+        load_adapter("x", tmp_path / "nothing", smollm2.arch, torch.float32, smollm2.device, 64)
+
+
+def test_rows_are_grouped_by_adapter_as_slices_where_contiguous(smollm2, lora_adapters):
+    a, b = (load_adapter(n, lora_adapters[n], smollm2.arch, torch.float32, smollm2.device, 64) for n in ("alpha", "gamma"))
+    assert group_rows([None, None], [1, 5], smollm2.device) is None
+    batch = group_rows([a, a, None, b, a], [1, 1, 1, 4, 2], smollm2.device)
+    groups = {g.weights.name: g.rows for g in batch.groups}
+    assert groups["gamma"] == slice(3, 7)
+    assert groups["alpha"].tolist() == [0, 1, 7, 8]
+    x, y = torch.randn(9, smollm2.arch.hidden_size), torch.zeros(9, 2 * smollm2.arch.intermediate_size)
+    batch.apply(0, "gate_up", x, y)
+    assert not y[2].any() and y[3].any() and y[0].any()     # the base row is untouched
+    pair = a.layers[0]["gate_up"]
+    torch.testing.assert_close(y[7], (x[7] @ pair.a.T) @ pair.b.T)
