@@ -1,9 +1,9 @@
 """`AsyncLLMEngine`: one thread steps an `LLMEngine` and serves many callers on an event loop.
 
 The engine thread is the only owner of the engine's state (scheduler, tiers, pools, tokenizer).
-Callers reach it only through its command queue (add, abort), and read only what it publishes
+Callers reach it only through its command queue (add, abort, `call`), and read only what it publishes
 once per step: `snapshot` (kvstrata.engine.snapshots) and, when asked for, the KV-event log
-(kvstrata.engine.kv_events). `info` and `prompts` (a tokenizer of the callers' own) are set once,
+(kvstrata.engine.kv_events); `adapters` (the LoRA adapters served) after each change. `info` and `prompts` (a tokenizer of the callers' own) are set once,
 when the engine is built.
 """
 
@@ -15,7 +15,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TypeVar
 
 from kvstrata.core.outputs import RequestOutput
 from kvstrata.core.sampling_params import SamplingParams
@@ -26,6 +27,8 @@ from kvstrata.engine.prompts import Prompt, PromptEncoder
 from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 PERSIST_BATCH = 16      # blocks an idle engine sends to the store between looks at its command queue
 MAP_CHUNK_BYTES = 16 * 2**20   # KV pages an idle engine maps between looks (tens of ms of page faults)
@@ -59,6 +62,7 @@ class AsyncLLMEngine:
         self.prompts: PromptEncoder | None = None       # a tokenizer of the callers' own
         self.snapshot: EngineSnapshot = EngineSnapshot.empty()
         self.kv_events: KVEventLog | None = None
+        self.adapters: Mapping[str, str] = {}           # the LoRA adapters served: name -> folder
         self._in_flight = 0                              # generate() calls not yet ended, counted by the callers
         self._in_flight_lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -92,11 +96,11 @@ class AsyncLLMEngine:
             self._in_flight += delta
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, prediction: str | None = None,
-                       hand_off: bool = False) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, prediction: str | None = None, hand_off: bool = False,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as steps produce them (a family's samples interleaved,
         told apart by `index`), until every sample finished. ValueError if it cannot run. `prediction`,
-        `hand_off`: see LLMEngine.add_request."""
+        `hand_off`, `lora`: see LLMEngine.add_request."""
         if self.error is not None or self._stop.is_set():
             raise RuntimeError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -105,7 +109,8 @@ class AsyncLLMEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         self._count(1)
         try:
-            self._send(("add", (prompt, params, request_id, priority, prediction, hand_off), admitted, (loop, outputs)))
+            self._send(("add", (prompt, params, request_id, priority, prediction, hand_off, lora), admitted,
+                        (loop, outputs)))
             try:
                 await admitted
             except asyncio.CancelledError:
@@ -129,6 +134,16 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id, None, None))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps (loading an adapter, say); its result, or
+        what it raised."""
+        if self.error is not None or self._stop.is_set():
+            raise RuntimeError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("call", fn, done, loop))
+        return await done
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -192,8 +207,17 @@ class AsyncLLMEngine:
             self.kv_events = KVEventLog(engine.config.cache.block_size, engine.hasher.root, self._recorder.held,
                                         self._kv_events_kept)
         self.prompts = engine.prompts.copy()
+        self._publish_adapters()
         self._publish()
         self.info = engine.info          # last: start() takes it as the sign that the engine is built
+
+    def _publish_adapters(self) -> None:
+        """The LoRA adapters served, for the HTTP handlers, and their hash roots, for routers."""
+        engine = self._engine
+        self.adapters = engine.adapters.served()
+        if self.kv_events is not None:
+            self.kv_events.adapter_roots = {name: engine.adapters.hasher_for(r.ref).root.hex()
+                                            for name, r in engine.adapters.registered.items()}
 
     def _publish(self) -> None:
         """Swap in what other threads may read: a new snapshot, and this step's KV events."""
@@ -217,16 +241,29 @@ class AsyncLLMEngine:
             elif kind == "abort":
                 for out in self._engine.abort(payload):
                     self._deliver(out)
+            elif kind == "call":
+                self._call(payload, future, stream)
             elif kind == "abort_all":
                 for request_id in list(self._streams):
                     for out in self._engine.abort(request_id):
                         self._deliver(out)
 
+    def _call(self, fn: Callable, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            result = fn(self._engine)
+        except Exception as exc:      # the caller's error to answer; the engine goes on
+            _post(loop, _settle, future, exc)
+            return
+        finally:
+            self._publish_adapters()
+        _post(loop, _resolve, future, result)
+
     def _add(self, payload: tuple, future: asyncio.Future, stream: tuple) -> None:
         loop, _ = stream
-        prompt, params, request_id, priority, prediction, hand_off = payload
+        prompt, params, request_id, priority, prediction, hand_off, lora = payload
         try:
-            self._engine.add_request(prompt, params, request_id, priority, prediction=prediction, hand_off=hand_off)
+            self._engine.add_request(prompt, params, request_id, priority, prediction=prediction, hand_off=hand_off,
+                                     lora=lora)
         except Exception as exc:      # a bad request: its caller gets the error, the engine goes on
             _post(loop, _settle, future, exc)
             return
@@ -260,3 +297,8 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _resolve(future: asyncio.Future, result: object) -> None:
+    if not future.done():
+        future.set_result(result)

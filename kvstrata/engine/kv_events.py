@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvstrata.core.config import ServerConfig
@@ -74,6 +74,9 @@ class KVEventLog:
         self._held: dict[str, set[BlockHash]] = {tier: set(held.get(tier, ())) for tier in PUBLISHED_TIERS}
         self._load = EngineLoad(0, 0)
         self.seq = 0
+        # LoRA adapter name -> the hex root of its requests' block hashes (swapped whole by the engine
+        # thread when adapters change), so a router hashes an adapter's prompts as the engine does
+        self.adapter_roots: Mapping[str, str] = {}
 
     @property
     def capacity(self) -> int:
@@ -100,7 +103,8 @@ class KVEventLog:
         with self._lock:
             oldest = self._events[0][0] if self._events else self.seq + 1
             reply: dict = {"instance": self.instance, "block_size": self.block_size,
-                           "hash_root": self.hash_root.hex(), "snapshot": None, "events": [],
+                           "hash_root": self.hash_root.hex(), "adapter_roots": dict(self.adapter_roots),
+                           "snapshot": None, "events": [],
                            "load": {"num_requests": self._load.num_requests,
                                     "queued_prompt_tokens": self._load.queued_prompt_tokens}}
             if instance != self.instance or seq < 0 or seq > self.seq or seq + 1 < oldest:

@@ -33,6 +33,7 @@ from kvstrata.core.outputs import HandOff, RequestOutput, TokenLogprob, best_sam
 from kvstrata.core.request import Request, RequestStatus, SampleFamily
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.core.timeline import RequestTimeline
+from kvstrata.engine.adapters import Adapters
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.prompts import Prompt, PromptEncoder
 from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot, EngineStats, RequestCounts, copied
@@ -40,8 +41,9 @@ from kvstrata.engine.timelines import TimelineRecorder
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.stores import open_store
 from kvstrata.kvcache.tiers import TierManager
-from kvstrata.model.arch import ModelArch
+from kvstrata.model.arch import resolve_max_model_len
 from kvstrata.model.loader import LoadedModel, load_model, plan_load
+from kvstrata.model.lora import AdapterError
 from kvstrata.scheduler.drafts import PREDICTION_LOOKAHEAD
 from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvstrata.scheduler.step_cost import StepCostModel
@@ -106,6 +108,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids,
                                    speculative=config.speculative_config)
         self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)
+        self.adapters = Adapters(config.lora, self.loaded, self.runner.lora, self.hasher, config.cache.cache_salt)
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
         self._families: dict[str, list[str]] = {}     # family id -> its samples' request ids (n > 1)
@@ -121,7 +124,8 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    prediction: str | Sequence[int] | None = None, hand_off: bool = False) -> Request:
+                    prediction: str | Sequence[int] | None = None, hand_off: bool = False,
+                    lora: str | None = None) -> Request:
         """Tokenize, validate and queue a request; ValueError (nothing queued) if it cannot run.
 
         `params.max_tokens` None means as many as the context leaves after the prompt. With n or
@@ -130,7 +134,8 @@ class LLMEngine:
         request (a family's leader). `prediction` (OpenAI predicted outputs: the text or token ids
         the output is expected to be) is where its speculative drafts come from. `hand_off`: write
         the prompt's full blocks to the store for a decode engine before the last output goes out
-        (see HandOff); needs a store and n == 1.
+        (see HandOff); needs a store and n == 1. `lora`: the name of a LoRA adapter to run under (None
+        or the base model's name: none); a request waits, holding nothing, while every adapter slot is busy.
         """
         token_ids = self.prompts.encode(prompt)
         params = self._resolved(params or SamplingParams(), token_ids)
@@ -143,18 +148,27 @@ class LLMEngine:
             self._check_hand_off(num_samples)
         bad_words = self.prompts.bad_word_sequences(params.bad_words)
         predicted = tuple(self.prompts.encode(prediction)) if prediction else ()
+        adapter = self.adapters.resolve(lora)
+        hasher = self.adapters.hasher_for(adapter)
         samples = [Request(request_id if num_samples == 1 else f"{request_id}/{index}", token_ids,
-                           params.for_sample(index) if num_samples > 1 else params, self.hasher,
+                           params.for_sample(index) if num_samples > 1 else params, hasher,
                            arrival_time=arrival, priority=priority, sample_index=index, bad_words_token_ids=bad_words,
-                           num_lookahead_tokens=self._lookahead(params, predicted), prediction_token_ids=predicted)
+                           num_lookahead_tokens=self._lookahead(params, predicted), prediction_token_ids=predicted,
+                           adapter=adapter)
                    for index in range(num_samples)]
-        if request_id in self._families or (num_samples > 1 and request_id in self._tracked):
+        if request_id in self._families or any(sample.request_id in self._tracked for sample in samples):
             raise ValueError(f"request id {request_id!r} is already in use")
         if num_samples > 1:
             family = SampleFamily(request_id, samples)
             for sample in samples:
                 sample.family = family
-        self.scheduler.add_request(samples[0])
+        self.scheduler.check(samples[0])
+        try:
+            admitted = self.adapters.admit(samples[0])
+        except AdapterError as exc:
+            raise RequestRejected(str(exc), "model") from exc
+        if admitted:
+            self.scheduler.add_request(samples[0])
         if num_samples > 1:
             self._families[request_id] = [sample.request_id for sample in samples]
         prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
@@ -209,7 +223,8 @@ class LLMEngine:
         counts = Counter(request.status for request in self.scheduler.requests.values())
         queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.scheduler.requests.values())
         requests = RequestCounts(counts[RequestStatus.RUNNING], counts[RequestStatus.LOADING],
-                                 counts[RequestStatus.WAITING] + counts[RequestStatus.PREEMPTED])
+                                 counts[RequestStatus.WAITING] + counts[RequestStatus.PREEMPTED]
+                                 + len(self.adapters.parked))
         return EngineSnapshot(requests, len(self.scheduler.requests), queued,
                               MappingProxyType(self.tiers.counts()), copied(self.tiers.stats), copied(self.stats),
                               self.scheduler.num_preemptions,
@@ -219,13 +234,13 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._handoffs)
+        return self.scheduler.has_unfinished or bool(self._handoffs) or bool(self.adapters.parked)
 
     @property
     def has_work(self) -> bool:
         """Requests to serve, transfers to settle or handed-off outputs to release; step() until this is
         False to reach rest."""
-        return self.scheduler.has_work or bool(self._handoffs)
+        return self.scheduler.has_work or bool(self._handoffs) or bool(self.adapters.parked)
 
     def map_kv_pages(self, max_bytes: int) -> bool:
         """Map up to `max_bytes` of the device, then the host KV buffers' fresh pages (see
@@ -237,6 +252,7 @@ class LLMEngine:
         started = time.perf_counter()
         began = time.monotonic()            # the clock of arrivals and timelines
         output = None
+        unparked = self._admit_parked()
         try:
             output = self.scheduler.schedule(self.step_cost.limiter(self.config.scheduler),
                                              self.step_cost.draft_break_even)
@@ -256,9 +272,23 @@ class LLMEngine:
             outputs = self._outputs(before, result, finished)
             outputs = [out for out in outputs if out.request_id not in self._handoffs] + self._settled_handoffs()
         except Exception as exc:
-            return self._recover(exc, output)
+            return unparked + self._recover(exc, output)
         self._account(output, result.accepted, started)
-        return outputs
+        return unparked + outputs
+
+    def _admit_parked(self) -> list[RequestOutput]:
+        """Requests that waited for an adapter slot enter the scheduler as slots free; those whose adapter
+        could not be read again end with an error (they held nothing)."""
+        if not self.adapters.parked:
+            return []
+        admitted, failed = self.adapters.admit_parked()
+        for leader in admitted:
+            self.scheduler.add_request(leader)
+        for leader, exc in failed:
+            logger.error("request %s ends with an error: %s", leader.request_id, exc)
+            for sample in leader.family.samples if leader.family is not None else [leader]:
+                sample.status = RequestStatus.FINISHED_ERROR
+        return self._final_outputs() if failed else []
 
     def _timeline_of(self, request_id: str) -> RequestTimeline | None:
         tracked = self._tracked.get(request_id)
@@ -320,6 +350,7 @@ class LLMEngine:
         tracked.reported = True
         if finished:
             del self._tracked[request.request_id]
+            self.adapters.release(request)
             self._timelines.forget(request.request_id)
             tracked.timeline.finished = time.monotonic()
             if tracked.family_id in self._families and not any(
@@ -372,6 +403,7 @@ class LLMEngine:
         if self.config.audit_every_step:
             try:
                 self.scheduler.audit()
+                self.adapters.audit()
             except AssertionError:
                 self.stats.audit_failures += 1
                 raise
@@ -383,6 +415,9 @@ class LLMEngine:
         held = self._handoffs.pop(request_id, None)
         if held is not None:            # it had ended; only its answer was waiting for the store
             return [held.output]
+        parked = self.adapters.unpark(request_id)
+        for sample in () if parked is None else parked.family.samples if parked.family else [parked]:
+            sample.status = RequestStatus.FINISHED_ABORTED
         for sample_id in self._families.get(request_id, [request_id]):
             self.scheduler.finish(sample_id)
         return self._final_outputs()
@@ -401,11 +436,16 @@ class LLMEngine:
         if self.store is not None:
             self.store.close()
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; one combined output per prompt and returned sample (n of them,
-        the best by cumulative logprob when best_of > n), in prompt order, then index order."""
+        the best by cumulative logprob when best_of > n), in prompt order, then index order. `lora`:
+        one adapter name for every prompt, or one per prompt (None: the base model)."""
         params = params or SamplingParams()
-        requests = [self.add_request(p, params) for p in prompts]
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} adapter names for {len(prompts)} prompts")
+        requests = [self.add_request(p, params, lora=name) for p, name in zip(prompts, adapters)]
         ids = [r.family.family_id if r.family is not None else r.request_id for r in requests]
         collected: dict[tuple[str, int], list[RequestOutput]] = {}
         while self.has_unfinished:
@@ -413,20 +453,6 @@ class LLMEngine:
                 collected.setdefault((out.request_id, out.index), []).append(out)
         return [out for rid in ids for out in best_samples(
             [_combine(collected[(rid, index)]) for index in range(params.num_samples)], params.n)]
-
-
-def resolve_max_model_len(asked: int | None, arch: ModelArch) -> int:
-    """The context length to enforce: the model's `max_position_embeddings` unless asked for less.
-
-    Longer is refused: the rotary tables stop there, and a RoPE-scaled checkpoint (linear, llama3)
-    already states its extended context in that field."""
-    limit = arch.max_position_embeddings
-    if asked is None:
-        return limit
-    if asked > limit:
-        raise ValueError(f"max_model_len {asked} is longer than the model's context ({limit} tokens, its "
-                         f"max_position_embeddings); use --max-model-len {limit} or less")
-    return asked
 
 
 def _combine(parts: list[RequestOutput]) -> RequestOutput:

@@ -1,0 +1,174 @@
+"""LoRA adapters in the engine: cached blocks keyed by what was computed (the adapter's digest), never by
+its name; adapter slots (`--max-loras`) that park a request rather than refuse it; adapter loads that
+fail leaving nothing behind. Every step is audited (blocks and adapter slots)."""
+
+import hashlib
+import shutil
+
+import pytest
+
+from kvstrata.core.config import EngineConfig
+from kvstrata.core.hashing import HASH_FORMAT_VERSION, chain_root
+from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = "Rivers, castles and vineyards shaped the Loire valley over many centuries of history. " * 3 + "In short:"
+FILLERS = [f"Unrelated text number {i}: " + "lorem ipsum dolor sit amet " * 8 for i in range(6)]
+
+
+def engine(smollm2, adapters: dict, **options):
+    options = dict(dict(block_size=16, num_device_blocks=64, kv_cache_memory="64MiB",
+                        lora_modules=tuple(f"{name}={path}" for name, path in adapters.items())), **options)
+    return LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=smollm2)
+
+
+def at_rest(e):
+    while e.has_work:
+        e.step()
+    counts = e.tiers.audit()
+    assert all(c.used == 0 and c.in_flight == 0 for c in counts.values())
+    assert not e.adapters.holders and not e.adapters.parked
+    e.adapters.audit()
+
+
+def test_the_base_models_root_is_unchanged_and_each_adapter_digest_has_its_own():
+    old = hashlib.sha256(b"\0".join((HASH_FORMAT_VERSION, b"fp", b"salt"))).digest()[:16]
+    assert chain_root("fp", "salt") == old == chain_root("fp", "salt", "")     # stores written before adapters hit
+    assert len({chain_root("fp", "salt"), chain_root("fp", "salt", "d1"), chain_root("fp", "salt", "d2")}) == 3
+
+
+def test_a_prompt_never_hits_another_adapters_blocks_and_hits_its_own(smollm2, lora_adapters):
+    e = engine(smollm2, {"alpha": lora_adapters["alpha"], "gamma": lora_adapters["gamma"]})
+    base = e.generate([PROMPT], GREEDY)[0]
+    alpha = e.generate([PROMPT], GREEDY, lora="alpha")[0]
+    gamma = e.generate([PROMPT], GREEDY, lora="gamma")[0]
+    assert alpha.num_cached_tokens == 0 and gamma.num_cached_tokens == 0       # the base's blocks are there
+    again = e.generate([PROMPT], GREEDY, lora=["alpha"])[0]
+    assert again.num_cached_tokens >= 48 and again.new_token_ids == alpha.new_token_ids
+    assert alpha.new_token_ids != base.new_token_ids          # so a wrong hit would show in the tokens too
+    at_rest(e)
+
+
+def test_a_reload_under_the_same_name_never_reaches_the_old_weights_blocks(smollm2, lora_adapters):
+    e = engine(smollm2, {"alpha": lora_adapters["alpha"]})
+    first = e.generate([PROMPT], GREEDY, lora="alpha")[0]
+    e.adapters.register("alpha", lora_adapters["delta"])            # new weights, old name
+    reloaded = e.generate([PROMPT], GREEDY, lora="alpha")[0]
+    assert reloaded.num_cached_tokens == 0
+    fresh = engine(smollm2, {"delta": lora_adapters["delta"]}).generate([PROMPT], GREEDY, lora="delta")[0]
+    assert reloaded.new_token_ids == fresh.new_token_ids != first.new_token_ids
+    assert len(e.adapters.resident) == 1                            # the old weights were dropped
+    e.adapters.register("alpha", lora_adapters["alpha"])            # the first weights again: their blocks hit
+    assert e.generate([PROMPT], GREEDY, lora="alpha")[0].num_cached_tokens >= 48
+    at_rest(e)
+
+
+def test_a_request_waits_for_a_busy_adapter_slot_and_is_not_refused(smollm2, lora_adapters):
+    names = ["alpha", "beta", "gamma"]
+    alone = {name: engine(smollm2, {name: lora_adapters[name]}).generate([PROMPT], GREEDY, lora=name)[0].new_token_ids
+             for name in names}
+    e = engine(smollm2, {name: lora_adapters[name] for name in names}, max_loras=1)
+    loads = e.adapters.loads
+    requests = [e.add_request(PROMPT, GREEDY, lora=name) for name in names] + [e.add_request(PROMPT, GREEDY)]
+    assert [r in e.adapters.parked for r in requests] == [False, True, True, False]
+    outputs = {}
+    while e.has_unfinished:
+        for out in e.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert len(e.adapters.resident) == 1
+    assert [outputs[r.request_id] for r in requests[:3]] == [alone[name] for name in names]
+    assert e.adapters.loads - loads == 3            # each read again from disk once (gamma, registered last, was in)
+    at_rest(e)
+
+
+def test_aborting_a_parked_request_ends_it_holding_nothing(smollm2, lora_adapters):
+    e = engine(smollm2, {n: lora_adapters[n] for n in ("alpha", "gamma")}, max_loras=1)
+    running = e.add_request(PROMPT, GREEDY, lora="alpha")
+    parked = e.add_request(PROMPT, SamplingParams(n=2, max_tokens=4), request_id="waiting", lora="gamma")
+    assert parked in e.adapters.parked
+    finals = e.abort("waiting")
+    assert sorted((o.index, o.finish_reason) for o in finals) == [(0, "abort"), (1, "abort")]
+    assert not e.adapters.parked and running.request_id not in {o.request_id for o in finals}
+    at_rest(e)
+
+
+def test_an_adapter_whose_files_changed_while_dropped_ends_its_request_with_an_error(smollm2, lora_adapters, tmp_path):
+    folder = tmp_path / "changing"
+    shutil.copytree(lora_adapters["gamma"], folder)
+    e = engine(smollm2, {"changing": folder, "alpha": lora_adapters["alpha"]}, max_loras=1)
+    e.add_request(PROMPT, GREEDY, lora="alpha")                       # holds the one slot
+    waiting = e.add_request(PROMPT, GREEDY, lora="changing")
+    assert waiting in e.adapters.parked
+    shutil.rmtree(folder)
+    shutil.copytree(lora_adapters["beta"], folder)                   # other weights under the same path
+    outputs = [out for _ in range(40) if e.has_unfinished for out in e.step()]
+    ended = [out for out in outputs if out.request_id == waiting.request_id]
+    assert [(out.finish_reason, out.new_token_ids) for out in ended] == [("error", [])]
+    at_rest(e)
+    with pytest.raises(ValueError, match="changed on disk"):          # a new request is refused at once
+        e.add_request(PROMPT, GREEDY, lora="changing")
+    at_rest(e)
+
+
+def test_unknown_adapters_and_engines_without_lora_refuse_with_the_reason(smollm2, lora_adapters):
+    e = engine(smollm2, {"alpha": lora_adapters["alpha"]})
+    with pytest.raises(ValueError, match="no adapter named 'nope'; loaded: alpha"):
+        e.add_request(PROMPT, GREEDY, lora="nope")
+    plain = LLMEngine(EngineConfig.from_options(kv_cache_memory="64MiB"), loaded=smollm2)
+    with pytest.raises(ValueError, match="start it with --enable-lora"):
+        plain.add_request(PROMPT, GREEDY, lora="alpha")
+    with pytest.raises(ValueError, match="--compile"):
+        EngineConfig.from_options(enable_lora=True, compile=True)
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        EngineConfig.from_options(lora_modules=("just-a-path",))
+
+
+def test_an_adapters_blocks_survive_a_restart_through_the_store_and_only_for_its_content(smollm2, lora_adapters,
+                                                                                         tmp_path):
+    first = engine(smollm2, {"alpha": lora_adapters["alpha"]}, store="disk", store_path=str(tmp_path),
+                   write_policy="write_through")
+    reference = first.generate([PROMPT], GREEDY, lora="alpha")[0].new_token_ids
+    first.close()
+    renamed = engine(smollm2, {"renamed": lora_adapters["alpha"], "alpha": lora_adapters["delta"]},
+                     store="disk", store_path=str(tmp_path))
+    impostor = renamed.generate([PROMPT], GREEDY, lora="alpha")[0]      # the name, other weights: no hit
+    assert impostor.num_cached_tokens == 0
+    out = renamed.generate([PROMPT], GREEDY, lora="renamed")[0]         # the content, another name: hits
+    assert out.new_token_ids == reference and renamed.tiers.stats.hit_tokens["store"] >= 48
+    renamed.close()
+
+
+def test_evicted_adapter_blocks_come_back_from_host_for_that_adapter_only(smollm2, lora_adapters):
+    e = engine(smollm2, {"alpha": lora_adapters["alpha"]}, num_device_blocks=24, num_host_blocks=64)
+    first = e.generate([PROMPT], GREEDY, lora="alpha")[0]
+    for filler in FILLERS:
+        e.generate([filler], GREEDY)
+    base = e.generate([PROMPT], GREEDY)[0]
+    again = e.generate([PROMPT], GREEDY, lora="alpha")[0]
+    assert base.num_cached_tokens == 0 and again.num_cached_tokens >= 48
+    assert again.new_token_ids == first.new_token_ids and e.tiers.stats.hit_tokens["host"] >= 48
+    at_rest(e)
+
+
+def test_speculation_and_structured_output_run_under_an_adapter(smollm2, lora_adapters):
+    """Greedy with n-gram drafts under an adapter is token for token plain decoding under it (fp32), and
+    a regex-constrained answer under it obeys the regex."""
+    import re
+
+    from kvstrata.core.sampling_params import GrammarSpec
+    from tests.engine.test_speculative import NGRAM, REPEATING
+
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    plain = engine(smollm2, {"alpha": lora_adapters["alpha"]}, enable_prefix_caching=False)
+    spec = engine(smollm2, {"alpha": lora_adapters["alpha"]}, speculative_config=NGRAM)
+    spec.step_cost.draft_break_even = lambda decodes: 0.0     # drafts verified whether or not they pay here
+    expected = plain.generate([REPEATING], params, lora="alpha")[0]
+    assert expected.new_token_ids != plain.generate([REPEATING], params)[0].new_token_ids
+    assert spec.generate([REPEATING], params, lora="alpha")[0].new_token_ids == expected.new_token_ids
+    assert 0 < spec.stats.spec_decode_num_accepted_tokens
+    regex = "[a-z ]{4,24}"
+    shaped = spec.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0,
+                                                    structured=GrammarSpec("regex", regex)), lora="alpha")[0]
+    assert shaped.finish_reason == "stop" and re.fullmatch(regex, shaped.text)
+    at_rest(spec)
