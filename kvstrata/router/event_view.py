@@ -25,6 +25,7 @@ class EventView:
     seq: int = 0
     block_size: int | None = None
     hash_root: BlockHash | None = None
+    adapter_roots: dict[str, BlockHash] = field(default_factory=dict)   # LoRA adapter name -> its requests' root
     held: dict[str, set[BlockHash]] = field(default_factory=lambda: {tier: set() for tier in PUBLISHED_TIERS})
     reported_requests: int = 0
     reported_queued_tokens: int = 0
@@ -60,6 +61,7 @@ class EventView:
                     held.discard(bytes.fromhex(hex_hash))
         self.instance, self.seq = reply["instance"], reply["seq"]
         self.block_size, self.hash_root = reply["block_size"], bytes.fromhex(reply["hash_root"])
+        self.adapter_roots = {name: bytes.fromhex(root) for name, root in reply.get("adapter_roots", {}).items()}
         self.reported_requests = reply["load"]["num_requests"]
         self.reported_queued_tokens = reply["load"]["queued_prompt_tokens"]
 

@@ -173,13 +173,18 @@ class Fleet:
 
     # ---- routing --------------------------------------------------------------------------------
     def routed_prompt(self, path: str, body: Any) -> RoutedPrompt:
-        """The request as the policy sees it, hashed with the chain root the engines publish."""
+        """The request as the policy sees it, hashed with the chain root the engines publish: a LoRA
+        adapter's own root when `model` names one an engine serves (its blocks are keyed by it), else
+        the base model's."""
         informed = next((v for v in self.views if v.hash_root is not None), None)
         token_ids = self.prompt_tokens(path, body)
         if informed is None or token_ids is None:
             return RoutedPrompt(len(token_ids or ()), [], informed.block_size if informed else 1)
+        model = body.get("model") if isinstance(body, dict) else None
+        serving = next((v for v in self.views if model in v.adapter_roots), None)
+        root = serving.adapter_roots[model] if serving is not None else informed.hash_root
         hashes: list = []
-        BlockHasher(informed.block_size, informed.hash_root).extend(hashes, token_ids)
+        BlockHasher(informed.block_size, root).extend(hashes, token_ids)
         return RoutedPrompt(len(token_ids), hashes, informed.block_size)
 
     def choose(self, prompt: RoutedPrompt, group: EngineGroup) -> tuple[EventView, Decision]:

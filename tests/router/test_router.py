@@ -249,6 +249,24 @@ def test_the_router_sees_the_tokens_and_hashes_the_engine_caches(smollm2):
             time.sleep(0.05)
 
 
+def test_the_router_hashes_an_adapters_prompt_with_its_root_as_the_engine_does(smollm2, lora_adapters):
+    """A request naming a LoRA adapter: the router's hashes are the blocks the engine stored for it,
+    none of them the base model's, so kv_aware never predicts a hit on another adapter's blocks."""
+    prompt = " ".join(f"word{k}" for k in range(60))
+    with running_server(smollm2, lora_modules=(f"alpha={lora_adapters['alpha']}",)) as (live, _), \
+            running_router([live], smollm2.tokenizer) as (base, fleet):
+        reply = httpx.post(f"{base}/v1/completions", json={"model": "alpha", "prompt": prompt, "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["model"] == "alpha"
+        routed = fleet.routed_prompt("/v1/completions", {"model": "alpha", "prompt": prompt})
+        as_base = fleet.routed_prompt("/v1/completions", {"prompt": prompt})
+        assert routed.max_hit_blocks >= 3 and not set(routed.block_hashes) & set(as_base.block_hashes)
+        deadline = time.monotonic() + 5
+        while not all(fleet.views[0].holds("device", h) for h in routed.block_hashes):
+            assert time.monotonic() < deadline, "the engine's events never named the adapter's blocks"
+            time.sleep(0.05)
+        assert not any(fleet.views[0].holds("device", h) for h in as_base.block_hashes)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--engine", "ftp://x"], "must be an http"),
     (["--engine", "http://a", "--engine", "http://a"], "given twice"),

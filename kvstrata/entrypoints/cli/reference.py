@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from kvstrata.core.config import format_size, parse_size
 from kvstrata.entrypoints.cli.main import build_parser
 from kvstrata.entrypoints.openai import protocol
+from kvstrata.entrypoints.openai.adapter_routes import adapter_router
 from kvstrata.entrypoints.openai.responses import protocol as responses_protocol
 from kvstrata.entrypoints.openai.responses.routes import responses_router
 from kvstrata.entrypoints.openai.responses.store import MAX_STORED_RESPONSES
@@ -36,7 +37,8 @@ BODIES: tuple[type[BaseModel], ...] = (protocol.SamplingBody, protocol.ChatReque
                                        protocol.ChatMessage, protocol.StreamOptions, protocol.Prediction,
                                        protocol.KVTransferParams,
                                        protocol.TokenizeRequest,
-                                       protocol.DetokenizeRequest, responses_protocol.ResponsesRequest,
+                                       protocol.DetokenizeRequest, protocol.LoadLoRARequest,
+                                       protocol.UnloadLoRARequest, responses_protocol.ResponsesRequest,
                                        responses_protocol.ResponsesStreamOptions)
 # The fields each body refuses unless left at null or the value given.
 REFUSED: dict[type[BaseModel], dict[str, Any]] = {protocol.SamplingBody: protocol.UNSUPPORTED,
@@ -46,8 +48,12 @@ REFUSED: dict[type[BaseModel], dict[str, Any]] = {protocol.SamplingBody: protoco
 ENDPOINTS: dict[str, str] = {
     "/v1/chat/completions": "a chat reply (streamed with `stream: true`)",
     "/v1/completions": "a text completion of a prompt (streamed with `stream: true`)",
-    "/v1/models": "the served model, with its `max_model_len`",
-    "/v1/models/{model_id:path}": "the served model by name; any other name is 404",
+    "/v1/models": "the served model, with its `max_model_len`, then each LoRA adapter served (its folder as "
+                  "`root`, the model as `parent`)",
+    "/v1/models/{model_id:path}": "the served model or an adapter by name; any other name is 404",
+    "/v1/load_lora_adapter": "vLLM's: serve the PEFT adapter at `lora_path` as `lora_name` (with --enable-lora); "
+                             "read and checked first, so a bad one is a 400 and changes nothing",
+    "/v1/unload_lora_adapter": "vLLM's: stop serving an adapter (its requests in flight finish); 404 if unknown",
     "/tokenize": "vLLM's: the token ids a completion or chat request would see",
     "/detokenize": "vLLM's: token ids back to text",
     "/version": "kvstrata's version",
@@ -66,7 +72,11 @@ ENDPOINTS: dict[str, str] = {
 
 # What each field does, by `Model.field` where the name means different things in two bodies, else by name.
 FIELDS: dict[str, str] = {
-    "model": "the served model's name; another is 404 (`model_not_found`)",
+    "model": "the served model's name, or a LoRA adapter's to run under it; another is 404 (`model_not_found`)",
+    "lora_name": "the name requests give as `model` to run under the adapter",
+    "lora_path": "a PEFT folder on the server: adapter_config.json + adapter_model.safetensors",
+    "load_inplace": "replace the weights of an adapter already loaded under this name (its new requests never "
+                    "reach blocks cached under the old weights)",
     "max_tokens": "most tokens to generate; chat without it: until the model stops or the context ends, "
                   "`/v1/completions` without it: 16",
     "temperature": "0 is greedy",
@@ -286,7 +296,7 @@ def body_table(model: type[BaseModel]) -> list[str]:
 
 def render_serving_api() -> dict[str, str]:
     endpoints = []
-    for route in [*router.routes, *responses_router().routes]:
+    for route in [*router.routes, *adapter_router.routes, *responses_router().routes]:
         body = next((p.field_info.annotation.__name__ for p in route.dependant.body_params), "")
         query = ", ".join(f"`{q.name}`" for q in route.dependant.query_params)
         methods = " ".join(sorted(route.methods))

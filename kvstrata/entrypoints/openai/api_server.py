@@ -22,6 +22,7 @@ from kvstrata import __version__
 from kvstrata.engine.async_engine import AsyncLLMEngine
 from kvstrata.entrypoints.openai.errors import ApiError, error_response, validation_message
 from kvstrata.entrypoints.openai.metrics import BoundedStores, ServerMetrics
+from kvstrata.entrypoints.openai.adapter_routes import adapter_router
 from kvstrata.entrypoints.openai.responses.routes import responses_router
 from kvstrata.entrypoints.openai.routes import router
 from kvstrata.entrypoints.openai.state import ServerState
@@ -62,6 +63,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     app.include_router(router)
+    app.include_router(adapter_router)
     app.include_router(responses_router())
     return app
 

@@ -48,6 +48,7 @@ class OutputShape:
     prompt_logprobs: bool           # vLLM's `prompt_logprobs` field, beside the choice
     predicted: bool = False         # OpenAI predicted outputs: usage counts its accepted and rejected tokens
     transfer: Transfer | None = None    # a decode handoff: usage says what was handed over and recomputed
+    model: str | None = None        # the LoRA adapter it ran under, named back in `model` (None: the base's name)
 
 
 def usage(finals: Sequence[RequestOutput], jobs: Sequence[Job], shape: OutputShape) -> dict:
@@ -141,7 +142,7 @@ def full_response(state: ServerState, jobs: Sequence[Job], samples: list[list[li
         finals += kept
         choices += [_choice(state, shape, job, final) for final in kept]
     kind = "chat.completion" if shape.chat else "text_completion"
-    return {"id": request_id, "object": kind, "created": created, "model": state.model_name,
+    return {"id": request_id, "object": kind, "created": created, "model": shape.model or state.model_name,
             "choices": choices, "usage": usage(finals, jobs, shape)}
 
 
@@ -162,7 +163,7 @@ async def sse(state: ServerState, jobs: Sequence[Job], rest: AsyncIterator[tuple
     calls = [ToolCallStream(shape.tools) for _ in range(num_choices)] if shape.tools is not None else None
 
     def event(choices: list[dict], usage_body: dict | None = None) -> str:
-        body = {"id": request_id, "object": chunk_kind, "created": created, "model": state.model_name,
+        body = {"id": request_id, "object": chunk_kind, "created": created, "model": shape.model or state.model_name,
                 "choices": choices}
         if include_usage:
             body["usage"] = usage_body

@@ -261,6 +261,19 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+class LoadLoRARequest(OpenAIModel):
+    """vLLM's /v1/load_lora_adapter: a PEFT folder to serve as `lora_name`; again under a loaded name
+    only with `load_inplace` (its new requests then run the new weights, never their cached blocks)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRARequest(OpenAIModel):
+    lora_name: str = Field(min_length=1)
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for m in messages:

@@ -71,23 +71,25 @@ async def version():
     return {"version": __version__}
 
 
-def _card(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvstrata",
-            "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}
+def _card(state: ServerState, model_id: str) -> dict:
+    """The base model's card, or a LoRA adapter's (its folder as `root`, the base as `parent`, as vLLM)."""
+    adapter = model_id != state.model_name
+    return {"id": model_id, "object": "model", "created": state.created, "owned_by": "kvstrata",
+            "root": state.engine.adapters[model_id] if adapter else model_id,
+            "parent": state.model_name if adapter else None, "max_model_len": state.max_model_len}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [_card(_state(request))]}
+    state = _state(request)
+    return {"object": "list", "data": [_card(state, name) for name in (state.model_name, *state.engine.adapters)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str):
     state = _state(request)
-    if model_id != state.model_name:
-        raise ApiError(404, f"the model '{model_id}' does not exist; this server serves '{state.model_name}'",
-                       param="model", code="model_not_found")
-    return _card(state)
+    check_model(state, model_id)
+    return _card(state, model_id)
 
 
 @router.post("/tokenize")

@@ -45,9 +45,16 @@ class Generation:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+    """The base model's name, one of the LoRA adapters served, or none; else 404 naming what is served."""
+    if model is not None and model != state.model_name and model not in state.engine.adapters:
+        served = ", ".join(f"'{name}'" for name in (state.model_name, *state.engine.adapters))
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves {served}",
                        param="model", code="model_not_found")
+
+
+def adapter_of(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model)."""
+    return model if model is not None and model != state.model_name else None
 
 
 def log_ignored(body: OpenAIModel, path: str) -> None:
@@ -83,7 +90,7 @@ async def respond(state: ServerState, request: Request, body: SamplingBody, gene
         engine_id = request_id if len(generation.prompts) == 1 else f"{request_id}-{index}"
         jobs.append(Job(index, echo, RequestTracker(state, arrival, engine_id, params.num_samples),
                         state.engine.generate(prompt, params, engine_id, body.priority, generation.prediction,
-                                              hand_off)))
+                                              hand_off, adapter_of(state, body.model))))
     try:
         await unless_disconnected(request.is_disconnected, _first_outputs(jobs, chat, body))
     except ClientGone:       # left before its first token (a long prefill, a load): aborted there and then
@@ -95,7 +102,8 @@ async def respond(state: ServerState, request: Request, body: SamplingBody, gene
     shape = OutputShape(chat, params.n, generation.tools, generation.max_tokens == 0, body.return_tokens_as_token_ids,
                         echo_logprobs=body.echo and generation.logprobs is not None and not chat,
                         prompt_logprobs=body.prompt_logprobs is not None, predicted=generation.prediction is not None,
-                        transfer=transfer if transfer is not None and transfer.role == "decode" else None)
+                        transfer=transfer if transfer is not None and transfer.role == "decode" else None,
+                        model=adapter_of(state, body.model))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
         return StreamingResponse(sse(state, jobs, _merged(jobs), request_id, shape, include_usage),

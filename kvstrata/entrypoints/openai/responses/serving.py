@@ -24,7 +24,7 @@ from kvstrata.entrypoints.openai.responses.events import ResponseEvents
 from kvstrata.entrypoints.openai.responses.output import new_id, output_items, response_body, status_of
 from kvstrata.entrypoints.openai.responses.protocol import ResponsesRequest
 from kvstrata.entrypoints.openai.responses.store import ResponseStore, StoredResponse
-from kvstrata.entrypoints.openai.serving import check_model, log_ignored, until_disconnected
+from kvstrata.entrypoints.openai.serving import adapter_of, check_model, log_ignored, until_disconnected
 from kvstrata.entrypoints.openai.state import ServerState
 from kvstrata.entrypoints.openai.tracker import RequestTracker
 from kvstrata.structured.tool_calls import ToolPlan
@@ -51,7 +51,7 @@ async def create_response(state: ServerState, store: ResponseStore, request: Req
     prompt = ChatPrompt(tuple(instructions + conversation), tuple(tools.prompt_tools) if tools else ())
     response_id = new_id("resp")
     tracker = RequestTracker(state, time.monotonic(), response_id)
-    stream = state.engine.generate(prompt, params, response_id)
+    stream = state.engine.generate(prompt, params, response_id, lora=adapter_of(state, body.model))
     try:
         first = await anext(stream)
     except ValueError as exc:        # refused by the engine (too long, bad template input): nothing queued
@@ -100,7 +100,7 @@ class _Turn:
     conversation: list[dict]             # the input after the previous turns, without the instructions
 
     def body_of(self, status: str, output: list[dict], final: RequestOutput | None = None) -> dict:
-        return response_body(self.body, self.state.model_name, self.response_id, self.created_at, status, output,
+        return response_body(self.body, adapter_of(self.state, self.body.model) or self.state.model_name, self.response_id, self.created_at, status, output,
                              final, FAILED if status == "failed" else None)
 
     def finish(self, status: str, output: list[dict], final: RequestOutput, keep: bool) -> dict:
