@@ -101,12 +101,13 @@ def main() -> None:
         child = subprocess.run([str(VLLM), str(ROOT / "benchmarks/peers/offline_vllm_lora.py"), "--model",
                                 str(loaded.folder), "--prompts", str(OUT / "prompts.json"), "--output-len",
                                 str(args.output_len), "--max-lora-rank", str(args.rank), "--repeats",
-                                str(args.repeats), "--dtype", args.dtype, "--adapters", *map(str, adapters)],
+                                str(args.repeats), "--dtype", args.dtype, "--json", str(OUT / "vllm.json"),
+                                "--adapters", *map(str, adapters)],
                                capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads),
                                                                     "VLLM_CPU_KVCACHE_SPACE": "2"})
         if child.returncode != 0:
             sys.exit(f"vLLM failed:\n{child.stderr[-3000:]}")
-        vllm_result = json.loads(child.stdout.strip().splitlines()[-1])
+        vllm_result = json.loads((OUT / "vllm.json").read_text())
         results["vllm"] = {"base": vllm_result["base"], "mixed": vllm_result["mixed"]}
         print(f"vllm {vllm_result['version']}", flush=True)
     tokens = args.streams * args.output_len

@@ -1,7 +1,8 @@
 """Our C++ kernels (kvstrata/model/csrc): built with the system C++ compiler at first use, cached, loaded with ctypes.
 
-Two libraries: paged attention (`paged_decode()`), and bf16 RMSNorm and SiLU-and-multiply
-(`norm_act()`, which a decode step calls ~90 times where torch would dispatch ~700 ops).
+Three libraries: paged attention (`paged_decode()`), bf16 RMSNorm and SiLU-and-multiply
+(`norm_act()`, which a decode step calls ~90 times where torch would dispatch ~700 ops), and the LoRA
+updates of a projection for all of a step's adapters at once (`lora_apply()`, kvstrata.model.lora).
 
 Why a plain shared library and not a torch extension: it needs no torch headers and loads without
 a build system. It takes raw pointers, so
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "paged_attention.cpp"
 NORM_ACT_SOURCE = CSRC / "norm_act.cpp"
+LORA_SOURCE = CSRC / "lora.cpp"
 HEADERS = [CSRC / "vec16.h"]       # included by both sources: part of every build's tag
 # Bumped whenever a change to the source moves any bit of its results: exact engines' model
 # fingerprints carry it, so they never load KV that an older kernel computed (kvstrata.model.loader).
@@ -143,6 +145,31 @@ class NormAct:
         return out
 
 
+class LoRAApply:
+    """`kvs_lora_apply` (csrc/lora.cpp): y[rows] += (x[rows] @ A.T) @ BT per adapter group, bf16 on the CPU.
+    Raw pointers: `kvstrata.model.lora.LoRABatch` checks the shapes, dtypes and strides it relies on."""
+
+    MAX_FUSED_RANK = 3 * 1024
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn = lib.kvs_lora_apply
+        self._fn.restype = None
+        self._fn.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+
+    @staticmethod
+    def takes(dtype: torch.dtype, device: torch.device, *widths: int) -> bool:
+        return dtype == torch.bfloat16 and device.type == "cpu" and all(w % 16 == 0 for w in widths)
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, groups: int, offsets: int, rows: int, a: int, bt: int,
+                 ranks: int) -> None:
+        """y (T, out) and x (T, in) bf16 rows (unit column stride); the rest are addresses of int64 arrays:
+        `offsets` (groups + 1), `rows`, and for each group its A's and BT's addresses and its rank."""
+        assert y.dtype == x.dtype == torch.bfloat16 and y.stride(1) == 1 and x.stride(1) == 1
+        self._fn(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), x.shape[1], y.shape[1], groups, offsets,
+                 rows, a, bt, ranks)
+
+
 @cache
 def paged_decode() -> PagedDecode | None:
     """The paged decode kernel, built if need be; None when it cannot be had here (logged once)."""
@@ -155,6 +182,13 @@ def norm_act() -> NormAct | None:
     """The bf16 RMSNorm / SiLU-and-multiply kernels, built if need be; None when they cannot be had here."""
     lib = _load(NORM_ACT_SOURCE, "norm/activation kernels unavailable (%s); the model keeps torch's ops for them")
     return None if lib is None else NormAct(lib)
+
+
+@cache
+def lora_apply() -> LoRAApply | None:
+    """The bf16 LoRA kernel, built if need be; None when it cannot be had here (adapters then use torch's ops)."""
+    lib = _load(LORA_SOURCE, "LoRA kernel unavailable (%s); adapters apply their updates with torch's ops")
+    return None if lib is None else LoRAApply(lib)
 
 
 def _load(source: Path, unavailable: str) -> ctypes.CDLL | None:
@@ -197,7 +231,8 @@ def _build(source: Path) -> Path:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    built = {source: kernel() is not None for source, kernel in ((SOURCE, paged_decode), (NORM_ACT_SOURCE, norm_act))}
+    built = {source: kernel() is not None for source, kernel in ((SOURCE, paged_decode), (NORM_ACT_SOURCE, norm_act),
+                                                                 (LORA_SOURCE, lora_apply))}
     for source, ok in built.items():
         print(f"{source.stem}: {_build(source) if ok else 'unavailable (KVSTRATA_KERNELS=0, or see above)'}")
     raise SystemExit(0 if all(built.values()) else 1)

@@ -9,8 +9,10 @@ the B's block-diagonal (a missing target gets no rows), the scale folded into B:
     qkv:  A = [A_q; A_k; A_v]  (r_q + r_k + r_v, E)      B = diag(s B_q, s B_k, s B_v)  (q + 2 kv, sum r)
 
 A step's rows are grouped by adapter (`LoRABatch`): each projection adds `(x[rows] @ A.T) @ B.T` to
-its output per group, one low-rank pair of matmuls per adapter, never a per-token gather of adapter
-weights; a step without adapters pays nothing.
+its output per group, never a per-token gather of adapter weights; a step without adapters pays
+nothing. A bf16 model on the CPU does all of a projection's groups in one call of our kernel
+(csrc/lora.cpp, `kernels.lora_apply`): in torch each group costs two small matmuls and an add, whose
+dispatches cost more than their arithmetic on a few rows. B is kept transposed (BT, r x out) for it.
 
 The adapter's `digest` is the sha256 of its two files' bytes: what salts its requests' block hashes
 (kvstrata.core.hashing), so cached KV follows what was computed, never the name it was loaded under.
@@ -22,12 +24,14 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvstrata.model.arch import ModelArch
+from kvstrata.model.kernels import LoRAApply, lora_apply
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -35,6 +39,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # HF module name -> (our fused projection, which part of it)
 _TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
             "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+# A group of more rows than this runs in torch's matmuls, which beat the kernel once they have rows
+# enough to keep the cores busy (2-core Zen 5, rank 16: the kernel wins at 6 rows, loses from ~50).
+KERNEL_MAX_ROWS = 32
+PROJECTIONS = ("qkv", "o", "gate_up", "down")     # the decoder's fused projections, in the kernel table's order
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -44,10 +52,10 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class LoRAPair:
-    """One fused projection's low-rank update: y += (x @ a.T) @ b.T."""
+    """One fused projection's low-rank update: y += (x @ a.T) @ bt."""
 
     a: torch.Tensor       # (r_total, in)
-    b: torch.Tensor       # (out, r_total), the scale folded in
+    bt: torch.Tensor      # (r_total, out): B transposed, the scale folded in
 
 
 @dataclass(frozen=True)
@@ -58,10 +66,30 @@ class LoRAWeights:
     digest: str                              # sha256 hex of the adapter's config and weights files
     rank: int                                # the largest rank of its targets
     layers: tuple[dict[str, LoRAPair], ...]  # per decoder layer: "qkv" / "o" / "gate_up" / "down" -> pair
+    pointers: np.ndarray = field(init=False, repr=False, compare=False)   # `table()`, once
+    kernel_takes: bool = field(init=False, repr=False, compare=False)     # whether the kernel can apply it
+
+    def __post_init__(self) -> None:
+        kernel = lora_apply()
+        pairs = [pair for layer in self.layers for pair in layer.values()]
+        object.__setattr__(self, "pointers", self.table())
+        object.__setattr__(self, "kernel_takes", kernel is not None and all(
+            kernel.takes(p.a.dtype, p.a.device, p.a.shape[1], p.bt.shape[1]) for p in pairs))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for p in layer.values() for t in (p.a, p.b))
+        return sum(t.numel() * t.element_size() for layer in self.layers for p in layer.values() for t in (p.a, p.bt))
+
+    def table(self) -> np.ndarray:
+        """(3, layers, 4) int64: the address of each pair's A, of its BT, and its rank (0: not targeted),
+        for the kernel."""
+        table = np.zeros((3, len(self.layers), len(PROJECTIONS)), dtype=np.int64)
+        for i, layer in enumerate(self.layers):
+            for p, name in enumerate(PROJECTIONS):
+                pair = layer.get(name)
+                if pair is not None:
+                    table[:, i, p] = pair.a.data_ptr(), pair.bt.data_ptr(), pair.a.shape[0]
+        return table
 
 
 def adapter_digest(folder: Path) -> str:
@@ -123,6 +151,7 @@ def load_adapter(name: str, folder: str | Path, arch: ModelArch, dtype: torch.dt
     rank = max(t.shape[0] for p in parts.values() for side, t in p.items() if side == "A")
     if rank > max_rank:
         raise AdapterError(f"the adapter at {folder} has rank {rank}, over --max-lora-rank {max_rank}")
+    assert 3 * max_rank <= LoRAApply.MAX_FUSED_RANK, "the kernel's scratch row holds 3 x 1024 ranks"
     scale_of = (lambda r: config.get("lora_alpha", r) / math.sqrt(r)) if config.get("use_rslora") else \
         (lambda r: config.get("lora_alpha", r) / r)
     layers = tuple(_fused_layer(arch, {m: parts[(i, m)] for (j, m) in parts if j == i}, scale_of, dtype, device)
@@ -169,7 +198,8 @@ def _fused_layer(arch: ModelArch, modules: dict[str, dict[str, torch.Tensor]], s
             row = sum(sizes[:index])
             b_full[row:row + b.shape[0], col:col + b.shape[1]] = b
             col += b.shape[1]
-        pairs[fused] = LoRAPair(torch.cat(a_rows).to(device, dtype).contiguous(), b_full.to(device, dtype).contiguous())
+        pairs[fused] = LoRAPair(torch.cat(a_rows).to(device, dtype).contiguous(),
+                                b_full.T.to(device, dtype).contiguous())
     return pairs
 
 
@@ -182,39 +212,84 @@ class LoRAGroup:
 
 
 @dataclass(frozen=True)
+class KernelArgs:
+    """What `kvs_lora_apply` reads for a step: every group's rows, and per layer and projection each
+    group's A, BT and rank (the arrays are kept here, alive, while the step runs)."""
+
+    kernel: LoRAApply
+    offsets: np.ndarray     # (groups + 1,) int64
+    rows: np.ndarray        # (rows under adapters,) int64
+    table: np.ndarray       # (3, layers, 4, groups) int64: A addresses, BT addresses, ranks
+
+    def addresses(self, layer: int, projection: int) -> tuple[int, int, int]:
+        step = self.table.itemsize * self.table.shape[3]
+        first = self.table.ctypes.data + (layer * self.table.shape[2] + projection) * step
+        per_kind = self.table.strides[0]
+        return first, first + per_kind, first + 2 * per_kind
+
+
+@dataclass(frozen=True)
 class LoRABatch:
     """A step's adapters and their rows (rows under none: the base model alone)."""
 
-    groups: tuple[LoRAGroup, ...]
+    groups: tuple[LoRAGroup, ...]          # those torch's ops apply
+    kernel: KernelArgs | None = None       # the groups the kernel applies (bf16 on the CPU, small groups)
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (T, out) = projection(x (T, in)) plus every group's low-rank update on its rows, in place."""
+        if self.kernel is not None:
+            a, bt, ranks = self.kernel.addresses(layer, PROJECTIONS.index(projection))
+            x = x if x.stride(1) == 1 else x.contiguous()
+            self.kernel.kernel(y, x, len(self.kernel.offsets) - 1, self.kernel.offsets.ctypes.data,
+                               self.kernel.rows.ctypes.data, a, bt, ranks)
         for group in self.groups:
             pair = group.weights.layers[layer].get(projection)
             if pair is None:
                 continue
             rows = group.rows
             if isinstance(rows, slice):
-                y[rows].addmm_(x[rows] @ pair.a.T, pair.b.T)
+                y[rows].addmm_(x[rows] @ pair.a.T, pair.bt)
             else:
-                y.index_add_(0, rows, (x[rows] @ pair.a.T) @ pair.b.T)
+                y.index_add_(0, rows, (x[rows] @ pair.a.T) @ pair.bt)
         return y
 
 
-def group_rows(adapters: list[LoRAWeights | None], lengths: list[int], device: torch.device) -> LoRABatch | None:
+def group_rows(adapters: list[LoRAWeights | None], lengths: list[int], device: torch.device,
+               use_kernel: bool = True) -> LoRABatch | None:
     """A step's LoRABatch from each sequence's adapter (None: base) and its token count, in batch order;
-    None when no sequence has an adapter."""
-    rows: dict[str, tuple[LoRAWeights, list[int]]] = {}
+    None when no sequence has an adapter. Where the kernel takes an adapter, its runs of rows longer
+    than KERNEL_MAX_ROWS (prefill chunks) go to torch's matmuls as slices, the rest (decodes) to the
+    kernel; elsewhere each adapter is one group. `use_kernel=False` keeps torch's ops (tests compare)."""
+    runs: dict[str, tuple[LoRAWeights, list[range]]] = {}     # adapter -> its runs of consecutive rows
     start = 0
     for weights, n in zip(adapters, lengths):
         if weights is not None:
-            rows.setdefault(weights.digest, (weights, []))[1].extend(range(start, start + n))
+            own = runs.setdefault(weights.digest, (weights, []))[1]
+            if own and own[-1].stop == start:
+                own[-1] = range(own[-1].start, start + n)
+            else:
+                own.append(range(start, start + n))
         start += n
-    if not rows:
+    if not runs:
         return None
-    groups = []
-    for weights, ids in rows.values():
-        contiguous = ids[-1] - ids[0] + 1 == len(ids)
-        groups.append(LoRAGroup(weights, slice(ids[0], ids[-1] + 1) if contiguous
-                                else torch.tensor(ids, dtype=torch.int64, device=device)))
-    return LoRABatch(tuple(groups))
+    groups, small = [], []
+    for weights, spans in runs.values():
+        if use_kernel and weights.kernel_takes:
+            groups += [LoRAGroup(weights, slice(r.start, r.stop)) for r in spans if len(r) > KERNEL_MAX_ROWS]
+            rows = [i for r in spans if len(r) <= KERNEL_MAX_ROWS for i in r]
+            if rows:
+                small.append((weights, rows))
+        elif len(spans) == 1:
+            groups.append(LoRAGroup(weights, slice(spans[0].start, spans[0].stop)))
+        else:
+            groups.append(LoRAGroup(weights, torch.tensor([i for r in spans for i in r], dtype=torch.int64,
+                                                          device=device)))
+    return LoRABatch(tuple(groups), _kernel_args(small) if small else None)
+
+
+def _kernel_args(groups: list[tuple[LoRAWeights, list[int]]]) -> KernelArgs:
+    """The kernel's arrays for these groups."""
+    offsets = np.cumsum([0] + [len(ids) for _, ids in groups], dtype=np.int64)
+    rows = np.fromiter((i for _, ids in groups for i in ids), dtype=np.int64, count=int(offsets[-1]))
+    table = np.ascontiguousarray(np.stack([weights.pointers for weights, _ in groups], axis=-1))
+    return KernelArgs(lora_apply(), offsets, rows, table)

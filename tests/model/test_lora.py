@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.model.kernels import lora_apply
 from kvstrata.model.lora import AdapterError, adapter_digest, group_rows, load_adapter
 
 PROMPTS = [
@@ -69,8 +70,8 @@ def test_an_adapter_is_fused_into_the_decoders_projections(smollm2, lora_adapter
     assert beta.rank == 16 and len(beta.layers) == arch.num_layers
     assert set(beta.layers[0]) == {"qkv", "o"}           # attention only
     qkv = beta.layers[0]["qkv"]
-    assert qkv.a.shape == (48, arch.hidden_size) and qkv.b.shape == (arch.q_size + 2 * arch.kv_size, 48)
-    assert not qkv.b[:arch.q_size, 16:].any()            # block-diagonal: q's rows read only q's A
+    assert qkv.a.shape == (48, arch.hidden_size) and qkv.bt.shape == (48, arch.q_size + 2 * arch.kv_size)
+    assert not qkv.bt[16:, :arch.q_size].any()           # block-diagonal: q's outputs read only q's A
     gamma = load_adapter("gamma", lora_adapters["gamma"], arch, torch.float32, smollm2.device, 64)
     assert set(gamma.layers[3]) == {"gate_up", "down"}
     assert beta.digest == adapter_digest(lora_adapters["beta"]) != gamma.digest
@@ -136,4 +137,49 @@ def test_rows_are_grouped_by_adapter_as_slices_where_contiguous(smollm2, lora_ad
     batch.apply(0, "gate_up", x, y)
     assert not y[2].any() and y[3].any() and y[0].any()     # the base row is untouched
     pair = a.layers[0]["gate_up"]
-    torch.testing.assert_close(y[7], (x[7] @ pair.a.T) @ pair.b.T)
+    torch.testing.assert_close(y[7], (x[7] @ pair.a.T) @ pair.bt)
+
+
+@pytest.mark.skipif(lora_apply() is None, reason="no C++ compiler: adapters use torch's ops")
+def test_bf16_prefill_runs_go_to_torch_as_slices_and_decode_rows_to_the_kernel(smollm2, lora_adapters):
+    from kvstrata.model.lora import KERNEL_MAX_ROWS
+
+    a = load_adapter("alpha", lora_adapters["alpha"], smollm2.arch, torch.bfloat16, smollm2.device, 64)
+    long = KERNEL_MAX_ROWS + 1
+    batch = group_rows([a, None, a, a, None, a], [1, 1, 1, long, 1, 2], smollm2.device)
+    assert [g.rows for g in batch.groups] == [slice(2, 3 + long)]          # rows 2 and 3.. merged into one run
+    assert batch.kernel.rows.tolist() == [0, 4 + long, 5 + long]
+    x = torch.randn(6 + long, smollm2.arch.hidden_size).bfloat16()
+    y0 = torch.zeros(6 + long, smollm2.arch.q_size + 2 * smollm2.arch.kv_size).bfloat16()
+    y = batch.apply(0, "qkv", x, y0.clone())
+    reference = group_rows([a, None, a, a, None, a], [1, 1, 1, long, 1, 2], smollm2.device, use_kernel=False)
+    torch.testing.assert_close(y, reference.apply(0, "qkv", x, y0.clone()), atol=0.05, rtol=0.05)
+    assert not y[1].any() and not y[3 + long].any() and y[0].any() and y[2].any()
+
+
+@pytest.mark.skipif(lora_apply() is None, reason="no C++ compiler: adapters use torch's ops")
+def test_the_bf16_kernel_adds_each_groups_update_and_a_rows_bits_never_depend_on_its_batch(smollm2, lora_adapters):
+    arch, device = smollm2.arch, smollm2.device
+    a, g = (load_adapter(n, lora_adapters[n], arch, torch.bfloat16, device, 64) for n in ("alpha", "gamma"))
+    assert a.kernel_takes and g.kernel_takes
+    adapters, lengths = [a, None, g, a, g, a], [1, 1, 1, 3, 2, 1]      # alpha's rows 0, 3-5, 8: not contiguous
+    gen = torch.Generator().manual_seed(0)
+    for layer, name in ((0, "qkv"), (5, "o"), (11, "gate_up"), (29, "down"), (2, "qkv")):
+        pair = a.layers[layer][name]
+        width_in, width_out = pair.a.shape[1], pair.bt.shape[1]
+        x = torch.randn(9, width_in + 16, generator=gen).bfloat16()[:, 8:8 + width_in]     # a row stride > width
+        y0 = torch.randn(9, width_out, generator=gen).bfloat16()
+        fused = group_rows(adapters, lengths, device)
+        assert fused.kernel is not None
+        y = fused.apply(layer, name, x, y0.clone())
+        expected = y0.float().clone()
+        for weights, rows in ((a, [0, 3, 4, 5, 8]), (g, [2, 6, 7])):
+            p = weights.layers[layer].get(name)
+            if p is not None:
+                expected[rows] += (x[rows].float() @ p.a.float().T) @ p.bt.float()
+        torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
+        assert torch.equal(y[1], y0[1])                                     # the base row is untouched
+        torch.testing.assert_close(y, group_rows(adapters, lengths, device, use_kernel=False).apply(
+            layer, name, x, y0.clone()), atol=0.1, rtol=0.05)               # torch rounds its two matmuls too
+        alone = group_rows([a], [1], device).apply(layer, name, x[8:9], y0[8:9].clone())
+        assert torch.equal(alone[0], y[8]), "a row's bits changed with its batch"
