@@ -16,8 +16,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from types import MappingProxyType
 from typing import TypeVar
 
+from kvstrata.core.hashing import BlockHash
 from kvstrata.core.outputs import RequestOutput
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.heap_trim import HeapTrimmer
@@ -63,6 +65,7 @@ class AsyncLLMEngine:
         self.snapshot: EngineSnapshot = EngineSnapshot.empty()
         self.kv_events: KVEventLog | None = None
         self.adapters: Mapping[str, str] = {}           # the LoRA adapters served: name -> folder
+        self.adapter_roots: Mapping[str, BlockHash] = {}   # and the root of their requests' block hashes
         self._in_flight = 0                              # generate() calls not yet ended, counted by the callers
         self._in_flight_lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -214,10 +217,10 @@ class AsyncLLMEngine:
     def _publish_adapters(self) -> None:
         """The LoRA adapters served, for the HTTP handlers, and their hash roots, for routers."""
         engine = self._engine
-        self.adapters = engine.adapters.served()
+        roots = {name: engine.adapters.hasher_for(r.ref).root for name, r in engine.adapters.registered.items()}
+        self.adapters, self.adapter_roots = engine.adapters.served(), MappingProxyType(roots)
         if self.kv_events is not None:
-            self.kv_events.adapter_roots = {name: engine.adapters.hasher_for(r.ref).root.hex()
-                                            for name, r in engine.adapters.registered.items()}
+            self.kv_events.adapter_roots = {name: root.hex() for name, root in roots.items()}
 
     def _publish(self) -> None:
         """Swap in what other threads may read: a new snapshot, and this step's KV events."""

@@ -301,3 +301,27 @@ def test_redis_killed_costs_recomputation_only(smollm2, redis_server, when):  # 
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected
         at_rest(prefill, decode)
         redis_server.start()                   # the fixture's teardown kills it again
+
+
+def test_a_handoff_under_a_lora_adapter_reaches_the_decode_engine_by_the_adapters_keys(smollm2, redis_server,  # noqa: F811
+                                                                                   lora_adapters):
+    """Prefill and decode engines that loaded the same adapter files compute the same block keys: the
+    decode engine loads every full block the prefill computed under the adapter, recomputes none, and
+    answers as a colocated engine under the adapter does; the base model's blocks are not the adapter's."""
+    adapter = (f"alpha={lora_adapters['alpha']}",)
+    with ExitStack() as stack:
+        colocated, _ = stack.enter_context(running_server(smollm2, lora_modules=adapter))
+        expected = complete(colocated, model="alpha").json()["choices"][0]["text"]
+        expected_base = complete(colocated).json()["choices"][0]["text"]
+        assert expected != expected_base
+        prefill = prefill_engine(stack, smollm2, redis_server.url, lora_modules=adapter)
+        decode = decode_engine(stack, smollm2, redis_server.url, lora_modules=adapter)
+        base, _ = pd_router(stack, smollm2, [prefill[0]], [decode[0]])
+        reply = complete(base, model="alpha")
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected
+        usage = reply.json()["usage"]
+        handed = (usage["prompt_tokens"] - 1) // 16 * 16
+        assert (usage["kv_transfer"]["handed_over_tokens"], usage["kv_transfer"]["recomputed_tokens"]) == (handed, 0)
+        plain = complete(base).json()                     # the same prompt for the base: its own blocks, its answer
+        assert plain["choices"][0]["text"] == expected_base and plain["model"] != "alpha"
+        at_rest(prefill, decode)

@@ -47,15 +47,17 @@ def transfer_of(state: ServerState, body: SamplingBody, num_prompts: int) -> Tra
         if body.stream:
             raise ApiError(400, "a prefill handoff answers once: stream must be false", param="stream")
         return Transfer(role)
-    return Transfer(role, params.prompt_token_ids, _handed_over(state, params), params.store_wait_seconds)
+    return Transfer(role, params.prompt_token_ids, _handed_over(state, params, body.model), params.store_wait_seconds)
 
 
-def _handed_over(state: ServerState, params: KVTransferParams) -> int:
+def _handed_over(state: ServerState, params: KVTransferParams, model: str | None) -> int:
     """Prompt tokens whose blocks the prefill engine stored, or 0 when its hashes are not this engine's
-    (another model or cache salt: nothing in the store is this engine's to load)."""
+    (another model, cache salt or adapter: nothing in the store is this engine's to load). A request
+    under a LoRA adapter hashes from that adapter's root, as the engine does."""
     info = state.engine.info
+    root = state.engine.adapter_roots.get(model, info.hash_root) if model is not None else info.hash_root
     hashes: list = []
-    BlockHasher(info.block_size, info.hash_root).extend(hashes, params.prompt_token_ids)
+    BlockHasher(info.block_size, root).extend(hashes, params.prompt_token_ids)
     stored = (params.block_hashes or [])[:params.num_stored_blocks]
     if [h.hex() for h in hashes[:len(stored)]] != stored:
         return 0
