@@ -154,5 +154,5 @@ def test_adapters_never_share_blocks_under_reloads_aborts_preemption_and_tiers(s
 
 @pytest.mark.slow
 def test_adapters_machine_long_run(smollm2, lora_adapters, tmp_path):
-    """`make test-slow`: 200 runs of 30 steps."""
-    run_machine(smollm2, lora_adapters, tmp_path, 200)
+    """`make test-slow`: 100 runs of 30 steps (~1 min)."""
+    run_machine(smollm2, lora_adapters, tmp_path, 100)
