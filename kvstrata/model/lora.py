@@ -12,7 +12,8 @@ A step's rows are grouped by adapter (`LoRABatch`): each projection adds `(x[row
 its output per group, never a per-token gather of adapter weights; a step without adapters pays
 nothing. A bf16 model on the CPU does all of a projection's groups in one call of our kernel
 (csrc/lora.cpp, `kernels.lora_apply`): in torch each group costs two small matmuls and an add, whose
-dispatches cost more than their arithmetic on a few rows. B is kept transposed (BT, r x out) for it.
+dispatches cost more than their arithmetic on a few rows. B is kept transposed (BT, r x out), and for
+the kernel a second time in tiles of 16 columns that it reads in one stream.
 
 The adapter's `digest` is the sha256 of its two files' bytes: what salts its requests' block hashes
 (kvstrata.core.hashing), so cached KV follows what was computed, never the name it was loaded under.
@@ -39,9 +40,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # HF module name -> (our fused projection, which part of it)
 _TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
             "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
-# A group of more rows than this runs in torch's matmuls, which beat the kernel once they have rows
-# enough to keep the cores busy (2-core Zen 5, rank 16: the kernel wins at 6 rows, loses from ~50).
-KERNEL_MAX_ROWS = 32
+# A run of more rows than this (a prefill chunk) runs in torch's matmuls, which match the kernel at 128
+# rows and beat it beyond (2-core Zen 5, rank 16 on q|k|v: 42 against 61 us at 64 rows, 84 against 82 us
+# at 128, 299 against 155 us at 512).
+KERNEL_MAX_ROWS = 64
 PROJECTIONS = ("qkv", "o", "gate_up", "down")     # the decoder's fused projections, in the kernel table's order
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -56,6 +58,15 @@ class LoRAPair:
 
     a: torch.Tensor       # (r_total, in)
     bt: torch.Tensor      # (r_total, out): B transposed, the scale folded in
+    bt_tiles: torch.Tensor | None = None   # the kernel's copy of bt: (out / 16, r_total, 16), tile by tile
+
+    @classmethod
+    def of(cls, a: torch.Tensor, bt: torch.Tensor) -> LoRAPair:
+        """The pair, with the kernel's tiles where it can take them."""
+        kernel = lora_apply()
+        takes = kernel is not None and kernel.takes(a.dtype, a.device, a.shape[1], bt.shape[1])
+        tiles = bt.view(bt.shape[0], -1, 16).transpose(0, 1).contiguous() if takes else None
+        return cls(a, bt, tiles)
 
 
 @dataclass(frozen=True)
@@ -73,12 +84,12 @@ class LoRAWeights:
         kernel = lora_apply()
         pairs = [pair for layer in self.layers for pair in layer.values()]
         object.__setattr__(self, "pointers", self.table())
-        object.__setattr__(self, "kernel_takes", kernel is not None and all(
-            kernel.takes(p.a.dtype, p.a.device, p.a.shape[1], p.bt.shape[1]) for p in pairs))
+        object.__setattr__(self, "kernel_takes", kernel is not None and all(p.bt_tiles is not None for p in pairs))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for p in layer.values() for t in (p.a, p.bt))
+        return sum(t.numel() * t.element_size() for layer in self.layers for p in layer.values()
+                   for t in (p.a, p.bt, p.bt_tiles) if t is not None)
 
     def table(self) -> np.ndarray:
         """(3, layers, 4) int64: the address of each pair's A, of its BT, and its rank (0: not targeted),
@@ -87,8 +98,8 @@ class LoRAWeights:
         for i, layer in enumerate(self.layers):
             for p, name in enumerate(PROJECTIONS):
                 pair = layer.get(name)
-                if pair is not None:
-                    table[:, i, p] = pair.a.data_ptr(), pair.bt.data_ptr(), pair.a.shape[0]
+                if pair is not None and pair.bt_tiles is not None:
+                    table[:, i, p] = pair.a.data_ptr(), pair.bt_tiles.data_ptr(), pair.a.shape[0]
         return table
 
 
@@ -198,8 +209,8 @@ def _fused_layer(arch: ModelArch, modules: dict[str, dict[str, torch.Tensor]], s
             row = sum(sizes[:index])
             b_full[row:row + b.shape[0], col:col + b.shape[1]] = b
             col += b.shape[1]
-        pairs[fused] = LoRAPair(torch.cat(a_rows).to(device, dtype).contiguous(),
-                                b_full.T.to(device, dtype).contiguous())
+        pairs[fused] = LoRAPair.of(torch.cat(a_rows).to(device, dtype).contiguous(),
+                                   b_full.T.to(device, dtype).contiguous())
     return pairs
 
 
@@ -220,12 +231,18 @@ class KernelArgs:
     offsets: np.ndarray     # (groups + 1,) int64
     rows: np.ndarray        # (rows under adapters,) int64
     table: np.ndarray       # (3, layers, 4, groups) int64: A addresses, BT addresses, ranks
+    bases: tuple[int, int, int] = field(init=False, repr=False)   # the three arrays' addresses, taken once
 
-    def addresses(self, layer: int, projection: int) -> tuple[int, int, int]:
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bases", (self.offsets.ctypes.data, self.rows.ctypes.data, self.table.ctypes.data))
+
+    def addresses(self, layer: int, projection: int) -> tuple[int, int, int, int, int]:
+        """The addresses the kernel takes for one projection: offsets, rows, and its A, BT and rank lists."""
+        offsets, rows, table = self.bases
         step = self.table.itemsize * self.table.shape[3]
-        first = self.table.ctypes.data + (layer * self.table.shape[2] + projection) * step
+        first = table + (layer * self.table.shape[2] + projection) * step
         per_kind = self.table.strides[0]
-        return first, first + per_kind, first + 2 * per_kind
+        return offsets, rows, first, first + per_kind, first + 2 * per_kind
 
 
 @dataclass(frozen=True)
@@ -238,10 +255,9 @@ class LoRABatch:
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (T, out) = projection(x (T, in)) plus every group's low-rank update on its rows, in place."""
         if self.kernel is not None:
-            a, bt, ranks = self.kernel.addresses(layer, PROJECTIONS.index(projection))
             x = x if x.stride(1) == 1 else x.contiguous()
-            self.kernel.kernel(y, x, len(self.kernel.offsets) - 1, self.kernel.offsets.ctypes.data,
-                               self.kernel.rows.ctypes.data, a, bt, ranks)
+            self.kernel.kernel(y, x, len(self.kernel.offsets) - 1,
+                               *self.kernel.addresses(layer, PROJECTIONS.index(projection)))
         for group in self.groups:
             pair = group.weights.layers[layer].get(projection)
             if pair is None:

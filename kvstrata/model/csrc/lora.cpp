@@ -23,11 +23,13 @@ constexpr int64_t BLOCK = 8;                   // rows of one group done togethe
 constexpr int64_t PARALLEL_MACS = 1 << 18;     // fewer multiply-adds than this: one thread
 
 // Rows x[0..N) of one group (their own addresses): t = A x_n, then y_n += t BT, each row's sums in the
-// same order whatever N is, so a row's bits do not depend on the rows done beside it.
+// same order whatever N is, so a row's bits do not depend on the rows done beside it. BT comes in tiles
+// of 16 columns, each tile's rank x 16 values contiguous (`bt_tiles`), so the expand reads it in one
+// stream rather than rank strided ones.
 template <int N>
 __attribute__((always_inline)) inline void lora_rows(uint16_t* const* y, const float* xs, const uint16_t* a,
-                                                     const uint16_t* bt, int64_t in, int64_t out, int64_t rank,
-                                                     float* t) {
+                                                     const uint16_t* bt_tiles, int64_t in, int64_t out,
+                                                     int64_t rank, float* t) {
     for (int64_t j = 0; j < rank; ++j) {
         const uint16_t* row = a + j * in;
         v16 acc[N];
@@ -36,14 +38,15 @@ __attribute__((always_inline)) inline void lora_rows(uint16_t* const* y, const f
             const v16 w = load(row + k);
             for (int n = 0; n < N; ++n) acc[n] += w * load(xs + n * in + k);
         }
-        for (int n = 0; n < N; ++n) t[n * rank + j] = lanes_sum(acc[n]);
+        for (int n = 0; n < N; ++n) t[j * N + n] = lanes_sum(acc[n]);
     }
     for (int64_t o = 0; o < out; o += 16) {
+        const uint16_t* tile = bt_tiles + o * rank;          // tile o / 16: rank rows of 16
         v16 acc[N];
         for (int n = 0; n < N; ++n) acc[n] = load(y[n] + o);
         for (int64_t j = 0; j < rank; ++j) {
-            const v16 w = load(bt + j * out + o);
-            for (int n = 0; n < N; ++n) acc[n] += splat(t[n * rank + j]) * w;
+            const v16 w = load(tile + j * 16);
+            for (int n = 0; n < N; ++n) acc[n] += splat(t[j * N + n]) * w;
         }
         for (int n = 0; n < N; ++n) store(y[n] + o, acc[n]);
     }
@@ -72,7 +75,7 @@ extern "C" {
 
 // y (rows, out) and x (rows, in) bfloat16 with row strides y_stride and x_stride; in % 16 == 0 and
 // out % 16 == 0. Group g's rows are rows[offsets[g]:offsets[g + 1]] (each row in at most one group), its
-// A is a[g] (ranks[g], in) and its BT is bt[g] (ranks[g], out), both contiguous bfloat16.
+// A is a[g] (ranks[g], in) and its BT is bt[g] in tiles (out / 16, ranks[g], 16), both contiguous bfloat16.
 void kvs_lora_apply(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride, int64_t in, int64_t out,
                     int64_t groups, const int64_t* offsets, const int64_t* rows, const uint16_t* const* a,
                     const uint16_t* const* bt, const int64_t* ranks) {
