@@ -2,10 +2,12 @@
 
 A block's hash covers its own token ids and, through its parent's hash, every
 token before it, so equal hashes mean equal prefixes. The chain is rooted in
-(model fingerprint, cache salt, LoRA adapter digest): KV computed by another
-model, for another tenant or under another adapter can never match. The adapter
-enters by the digest of its files, never by its name, so two adapters loaded
-under one name (a reload with new weights) never share a block.
+(model fingerprint, cache salt): KV computed by another model, or for another
+tenant, can never match. A request under a LoRA adapter chains from that root
+salted by the digest of the adapter's files (`adapter_root`), never by its name,
+so two adapters loaded under one name (a reload with new weights) never share a
+block, and whoever knows a base root and a digest (a router, a decode engine, the
+simulator) derives the adapter's root.
 
 Stores are shared by many engines on many machines, so the hash must be the same
 everywhere: xxh3-128 over a canonical byte encoding (little-endian uint32 token
@@ -36,13 +38,17 @@ def encode_tokens(token_ids: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(token_ids)}I", *token_ids)
 
 
-def chain_root(model_fingerprint: str, cache_salt: str = "", adapter_digest: str = "") -> BlockHash:
-    """The parent hash of a sequence's first block. The base model's roots (no adapter) are those of
-    every earlier release, so stores written before adapters existed still hit."""
+def chain_root(model_fingerprint: str, cache_salt: str = "") -> BlockHash:
+    """The parent hash of a sequence's first block."""
     material = b"\0".join((HASH_FORMAT_VERSION, model_fingerprint.encode(), cache_salt.encode()))
-    if adapter_digest:
-        material += b"\0lora\0" + adapter_digest.encode()
     return hashlib.sha256(material).digest()[:16]
+
+
+def adapter_root(base_root: BlockHash, adapter_digest: str) -> BlockHash:
+    """The parent hash of the first block of a sequence under a LoRA adapter: the base model's root
+    salted by the digest of the adapter's files."""
+    assert adapter_digest, "an adapter is keyed by its digest"
+    return hashlib.sha256(b"\0".join((HASH_FORMAT_VERSION, base_root, b"lora", adapter_digest.encode()))).digest()[:16]
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -57,9 +63,12 @@ class BlockHasher:
     root: BlockHash
 
     @classmethod
-    def create(cls, block_size: int, model_fingerprint: str, cache_salt: str = "",
-               adapter_digest: str = "") -> BlockHasher:
-        return cls(block_size, chain_root(model_fingerprint, cache_salt, adapter_digest))
+    def create(cls, block_size: int, model_fingerprint: str, cache_salt: str = "") -> BlockHasher:
+        return cls(block_size, chain_root(model_fingerprint, cache_salt))
+
+    def for_adapter(self, adapter_digest: str) -> BlockHasher:
+        """This hasher for requests under the LoRA adapter with this digest."""
+        return BlockHasher(self.block_size, adapter_root(self.root, adapter_digest))
 
     def extend(self, hashes: list[BlockHash], token_ids: Sequence[int]) -> None:
         """Append the hash of every block of `token_ids` that is full but not yet hashed."""

@@ -39,10 +39,10 @@ class Registered:
 
 class Adapters:
     def __init__(self, config: LoRAConfig, loaded: LoadedModel, resident_weights: dict[str, LoRAWeights],
-                 base_hasher: BlockHasher, cache_salt: str = ""):
+                 base_hasher: BlockHasher):
         self.config = config
         self.loaded = loaded
-        self.base_hasher, self.cache_salt = base_hasher, cache_salt
+        self.base_hasher = base_hasher
         self.registered: dict[str, Registered] = {}
         self.resident: OrderedDict[str, LoRAWeights] = OrderedDict()   # digest -> weights, LRU first
         self.weights = resident_weights        # the runner's view of `resident`, by digest
@@ -106,7 +106,7 @@ class Adapters:
         """The block hasher of a request under `ref`: its root salted by the adapter's digest."""
         if ref is None:
             return self.base_hasher
-        return BlockHasher.create(self.base_hasher.block_size, self.loaded.fingerprint, self.cache_salt, ref.digest)
+        return self.base_hasher.for_adapter(ref.digest)
 
     def ref(self, name: str) -> AdapterRef:
         if name not in self.registered:

@@ -108,7 +108,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids,
                                    speculative=config.speculative_config)
         self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)
-        self.adapters = Adapters(config.lora, self.loaded, self.runner.lora, self.hasher, config.cache.cache_salt)
+        self.adapters = Adapters(config.lora, self.loaded, self.runner.lora, self.hasher)
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
         self._families: dict[str, list[str]] = {}     # family id -> its samples' request ids (n > 1)

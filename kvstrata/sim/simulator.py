@@ -38,7 +38,7 @@ import numpy as np
 
 from kvstrata.core.config import POLICIES, WRITE_POLICIES, CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvstrata.core.hashing import BlockHasher
-from kvstrata.core.request import Request
+from kvstrata.core.request import AdapterRef, Request
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.tiers import PROBE_WAIT_S, TierManager
 from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -336,8 +336,9 @@ class Simulator:
         """Trace request `index` as an engine's Request (its id is the index: the records' key)."""
         entry = self.trace[index]
         return Request(str(index), self.tokens.prompt(entry), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                       self.tokens.hasher, arrival_time=entry.arrival, block_hashes=self.tokens.block_hashes(entry),
-                       num_lookahead_tokens=self.lookahead)
+                       self.tokens.hasher_for(entry), arrival_time=entry.arrival,
+                       block_hashes=self.tokens.block_hashes(entry), num_lookahead_tokens=self.lookahead,
+                       adapter=AdapterRef(entry.adapter, entry.adapter) if entry.adapter else None)
 
     def _arrive(self, index: int) -> None:
         request = self._new_request(index, self.trace[index].output_length)

@@ -40,6 +40,7 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]    # one per TRACE_BLOCK tokens of the input, the last one maybe partial
+    adapter: str = ""            # the LoRA adapter it runs under (its digest, or a label standing for one); "": base
 
 
 def read_mooncake(path: str | Path, max_requests: int | None = None, skip: int = 0, time_scale: float = 1.0,
@@ -74,7 +75,8 @@ def read_mooncake(path: str | Path, max_requests: int | None = None, skip: int =
                 output = min(output, max_output_tokens)
             stamp = float(record["timestamp"]) / 1000.0
             start = stamp if start is None else start
-            requests.append(TraceRequest((stamp - start) * time_scale, length, output, ids))
+            requests.append(TraceRequest((stamp - start) * time_scale, length, output, ids,
+                                         str(record.get("adapter") or "")))
     if not requests:
         raise ValueError(f"{path}: no requests in the slice")
     return requests
@@ -113,10 +115,15 @@ class TraceTokens:
     def prompt(self, request: TraceRequest) -> list[int]:
         return list(self.block_tokens(request.hash_ids).tobytes()[:request.input_length])
 
+    def hasher_for(self, request: TraceRequest) -> BlockHasher:
+        """The hasher of the request's blocks: the base model's, or its adapter's (kvstrata.core.hashing)."""
+        return self.hasher.for_adapter(request.adapter) if request.adapter else self.hasher
+
     def block_hashes(self, request: TraceRequest) -> list[BlockHash]:
-        """Hashes of the prompt's full engine blocks, exactly as `BlockHasher` chains them."""
+        """Hashes of the prompt's full engine blocks, exactly as `BlockHasher` chains them (from the
+        root of the request's adapter, if it names one)."""
         hashes: list[BlockHash] = []
-        parent, ids = self.hasher.root, request.hash_ids
+        parent, ids = self.hasher_for(request).root, request.hash_ids
         for index, trace_id in enumerate(ids):
             block = self._hashes.get((parent, trace_id))
             if block is None:

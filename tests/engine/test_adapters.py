@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from kvstrata.core.config import EngineConfig
-from kvstrata.core.hashing import HASH_FORMAT_VERSION, chain_root
+from kvstrata.core.hashing import HASH_FORMAT_VERSION, BlockHasher, adapter_root, chain_root
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine
 
@@ -34,8 +34,11 @@ def at_rest(e):
 
 def test_the_base_models_root_is_unchanged_and_each_adapter_digest_has_its_own():
     old = hashlib.sha256(b"\0".join((HASH_FORMAT_VERSION, b"fp", b"salt"))).digest()[:16]
-    assert chain_root("fp", "salt") == old == chain_root("fp", "salt", "")     # stores written before adapters hit
-    assert len({chain_root("fp", "salt"), chain_root("fp", "salt", "d1"), chain_root("fp", "salt", "d2")}) == 3
+    assert chain_root("fp", "salt") == old                    # stores written before adapters still hit
+    base = BlockHasher.create(16, "fp", "salt")
+    roots = {base.root, base.for_adapter("d1").root, base.for_adapter("d2").root,
+             BlockHasher.create(16, "fp", "other").for_adapter("d1").root}   # another tenant, the same adapter
+    assert len(roots) == 4 and base.for_adapter("d1").root == adapter_root(base.root, "d1")
 
 
 def test_a_prompt_never_hits_another_adapters_blocks_and_hits_its_own(smollm2, lora_adapters):

@@ -141,6 +141,22 @@ def test_the_shipped_shapes_are_priced_on_the_roofline():
 
 
 # ---- the simulator ------------------------------------------------------------------------------
+def test_requests_under_an_adapter_hit_only_that_adapters_blocks(tmp_path):
+    """The simulator keys blocks as the engine does: the same trace blocks under another adapter (or the
+    base) are a miss, under the same adapter a hit; a trace's `adapter` field says which."""
+    trace = [TraceRequest(0.0, 1024, 2, (1, 2)), TraceRequest(10.0, 1024, 2, (1, 2), "sql"),
+             TraceRequest(20.0, 1024, 2, (1, 2), "chat"), TraceRequest(30.0, 1024, 2, (1, 2), "sql")]
+    tokens = TraceTokens(BlockHasher.create(256, "m"))
+    hashes = [set(tokens.block_hashes(r)) for r in trace]
+    assert not hashes[0] & hashes[1] and not hashes[1] & hashes[2] and hashes[1] == hashes[3]
+    result = Simulator(trace, SimConfig(block_size=256, audit=True), fixed_cost()).run()
+    assert [r.cached_tokens for r in result.records] == [0, 0, 0, 768]    # the last block is recomputed
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2], '
+                    '"adapter": "sql"}\n')
+    assert read_mooncake(path)[0].adapter == "sql"
+
+
 def test_two_requests_by_hand():
     """A: 1024 prompt tokens at t=0, 3 outputs. B: A's 4 blocks + 2 more at t=10, 2 outputs (block 256).
 
