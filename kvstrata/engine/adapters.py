@@ -59,8 +59,8 @@ class Adapters:
 
     def register(self, name: str, path: str | Path) -> AdapterRef:
         """Serve the adapter at `path` as `name`; AdapterError (nothing changed) if it cannot be served or
-        the name is the base model's or taken by another adapter in use. Loading the same name again
-        replaces it: its new requests take the new digest, the old one's requests finish as they were."""
+        the name is the base model's. Loading a name again replaces its adapter (the HTTP endpoint asks
+        for `load_inplace` first): new requests take the new digest, those in flight finish under the old."""
         if not self.enabled:
             raise AdapterError("this engine serves no adapters (start it with --enable-lora)")
         if not name or name == self.loaded.name:
