@@ -144,7 +144,8 @@ class Faults:
             name = rng.randbytes(16).hex()
             (self.fleet.disk_store / name[:2] / f"{name}{RECORD_SUFFIX}").write_bytes(rng.randbytes(chunk))
             filler += chunk
-        window.detail["filler_mib"] = filler >> 20
+        window.detail["filler_mib"] = filler >> 20          # 0 when traffic had already filled it
+        window.detail["store_mib"], window.detail["budget_mib"] = (used + filler) >> 20, budget >> 20
         shards = [p for p in self.fleet.disk_store.iterdir() if p.is_dir()]
         for shard in shards:
             os.chmod(shard, 0o555)
