@@ -106,6 +106,11 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def samples(self) -> list[Request]:
+        """Every sample of its family (leader first), or just itself when it has none."""
+        return self.family.samples if self.family is not None else [self]
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

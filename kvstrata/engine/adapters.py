@@ -126,7 +126,7 @@ class Adapters:
         return True
 
     def _hold(self, leader: Request) -> None:
-        for sample in leader.family.samples if leader.family is not None else [leader]:
+        for sample in leader.samples:
             self.holders[sample.request_id] = leader.adapter.digest
             self.users[leader.adapter.digest] += 1
 

@@ -286,7 +286,7 @@ class LLMEngine:
             self.scheduler.add_request(leader)
         for leader, exc in failed:
             logger.error("request %s ends with an error: %s", leader.request_id, exc)
-            for sample in leader.family.samples if leader.family is not None else [leader]:
+            for sample in leader.samples:
                 sample.status = RequestStatus.FINISHED_ERROR
         return self._final_outputs() if failed else []
 
@@ -416,7 +416,7 @@ class LLMEngine:
         if held is not None:            # it had ended; only its answer was waiting for the store
             return [held.output]
         parked = self.adapters.unpark(request_id)
-        for sample in () if parked is None else parked.family.samples if parked.family else [parked]:
+        for sample in () if parked is None else parked.samples:
             sample.status = RequestStatus.FINISHED_ABORTED
         for sample_id in self._families.get(request_id, [request_id]):
             self.scheduler.finish(sample_id)

@@ -142,7 +142,10 @@ def load_adapter(name: str, folder: str | Path, arch: ModelArch, dtype: torch.dt
 
     folder = Path(folder)
     config = _read_config(folder)
-    digest = adapter_digest(folder)
+    try:
+        digest = adapter_digest(folder)
+    except OSError as exc:             # removed or unreadable since checked: a refusal, never an engine error
+        raise AdapterError(f"cannot read the adapter at {folder}: {exc}") from exc
     try:
         tensors = load_file(folder / WEIGHTS_FILE)
     except (SafetensorError, OSError) as exc:

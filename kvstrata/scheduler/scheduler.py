@@ -126,7 +126,7 @@ class Scheduler:
     def check(self, request: Request) -> list[Request]:
         """Its samples if `add_request` would take the request; ValueError (nothing changed) if it never could."""
         max_len = self.config.max_model_len
-        samples = request.family.samples if request.family is not None else [request]
+        samples = request.samples
         assert samples[0] is request, "a family is added through its leader"
         for sample in samples:
             if sample.request_id in self.requests:
@@ -456,7 +456,7 @@ class Scheduler:
         active = (RequestStatus.RUNNING, RequestStatus.LOADING)
         if request is None or request.status not in active:
             return False
-        for sample in request.family.samples if request.family is not None else [request]:
+        for sample in request.samples:
             if sample.status in active:
                 self._preempt(sample)
         return True
@@ -478,7 +478,7 @@ class Scheduler:
     def set_priority(self, request_id: str, priority: int) -> None:
         """Change a request's priority (a family's: all its samples', so they keep ranking together)."""
         request = self.requests[request_id]
-        for sample in request.family.samples if request.family is not None else [request]:
+        for sample in request.samples:
             sample.priority = priority
             if sample.request_id in self._waiting_key:
                 self._enqueue(sample)     # the old heap entry goes stale

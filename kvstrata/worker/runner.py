@@ -100,13 +100,13 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepResult:
         if output.is_empty:
             return StepResult({}, {})
-        # Each adapter's rows side by side (a stable sort: a step without adapters keeps its order), so
-        # its low-rank updates read a slice of the batch rather than gathered rows (kvstrata.model.lora).
-        decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=_adapter_key)
+        decodes = [c for c in output.chunks if c.num_tokens == 1]
+        others = [c for c in output.chunks if c.num_tokens != 1]
+        if self.lora:   # each adapter's rows side by side (a stable sort), so its updates read a slice (model.lora)
+            decodes, others = sorted(decodes, key=_adapter_key), sorted(others, key=_adapter_key)
         order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes],
                                       self.block_size, group_cost_tokens(self.decodes_in_place))
-        chunks = [decodes[i] for i in order] + sorted((c for c in output.chunks if c.num_tokens != 1),
-                                                      key=_adapter_key)
+        chunks = [decodes[i] for i in order] + others
         batch = self.build_batch(chunks, groups)
         with torch.inference_mode():
             logits = self.model(batch, self.kv)                              # (S + D + P, V) float32

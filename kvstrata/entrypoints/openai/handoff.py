@@ -55,7 +55,7 @@ def _handed_over(state: ServerState, params: KVTransferParams, model: str | None
     (another model, cache salt or adapter: nothing in the store is this engine's to load). A request
     under a LoRA adapter hashes from that adapter's root, as the engine does."""
     info = state.engine.info
-    root = state.engine.adapter_roots.get(model, info.hash_root) if model is not None else info.hash_root
+    root = state.engine.adapter_roots.get(model, info.hash_root)
     hashes: list = []
     BlockHasher(info.block_size, root).extend(hashes, params.prompt_token_ids)
     stored = (params.block_hashes or [])[:params.num_stored_blocks]
