@@ -1,17 +1,18 @@
 """GGUF weights served at their own bits (`--quantization gguf`): Q4_0, Q4_1 and Q8_0 projections run by
-torch's 4-bit kernel `_weight_int4pack_mm_for_cpu` straight from the file's blocks, never widened to 16 bits.
+our kernel (csrc/gguf_matmul.cpp) straight from the file's blocks, never widened to 16 bits.
 
-Every supported type is a sum of 4-bit terms in the kernel's form, w = (q - 8) * scale + zero, with one
-scale and zero per group of 32 weights along the input (a GGUF block is such a group):
-- Q4_0 (d, 4-bit q):  w = d * (q - 8)          -> one term, scale d, zero 0;
-- Q4_1 (d, m, q):     w = d * q + m            -> one term, scale d, zero m + 8 d;
-- Q8_0 (d, int8 q):   q = 16 hi + lo, hi in [-8, 7], lo in [0, 15], so w = d * q is
-                      (hi + 8 - 8) * 16 d + (lo - 8) * d + 8 d -> two terms (16 d, 0) and (d, 8 d).
-So a term reads half a byte a weight: Q4 types a quarter of bf16's bytes, Q8_0 half. The kernel takes its
-scales and zeros in the activation dtype and is fast in bfloat16 (float32 activations take a scalar
-path there, ~30x slower: docs/design/model.md), so activations go in as bfloat16 whatever the model's
-dtype, and the scales are bfloat16 roundings of the file's float16 ones (a relative 2^-9 at most; the
-file's 4-bit rounding is 2^-4): `benchmarks/quant_accuracy.py` measures the perplexity it costs.
+A decode step is memory-bound, so the weights stay at the file's 4.5-8.5 bits a weight and the
+activations come down to meet them, as llama.cpp does: each activation row is quantized to int8 in
+blocks of 32 (scale max|x| / 127), and a weight block times an activation block is one integer dot
+product (AVX-512 VNNI's u8 x s8 sums, or AVX2's), scaled once in float32:
+- Q4_0 (d, 4-bit q):  w = d * (q - 8)
+- Q4_1 (d, m, q):     w = d * q + m
+- Q8_0 (d, int8 q):   w = d * q
+with the file's float16 d and m as they are. The weights are repacked once at load (tiles of 16 rows,
+see the C++ source) at the same bytes as the file. Every ISA path gives the same bits, and a row's
+result never depends on the other rows of its batch, so greedy outputs do not depend on batching or on
+what the caches held. `benchmarks/quant_accuracy.py` measures the perplexity int8 activations cost
+(llama.cpp pays the same).
 
 Block layouts (ggml): Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]}, Q8_0 {f16 d; i8 qs[32]};
 a 4-bit block holds weight j in the low nibble of qs[j] and weight j + 16 in its high nibble.
@@ -27,84 +28,67 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvstrata.core.machine import machine
+from kvstrata.model import kernels
+
 BLOCKS_FILE = "gguf-blocks"                           # in a converted GGUF's folder (kvstrata.model.gguf_convert)
-GROUP = 32                                            # weights per GGUF block, and per kernel group
+GROUP = 32                                            # weights per GGUF block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}    # the types served at their own bits
-INNER_K_TILES = 1                                     # what the CPU kernel's packing takes (any works)
+
+
+def kernel_level() -> int:
+    """Which of the kernel's paths this CPU takes: 2 AVX-512 VNNI, 1 AVX2, 0 plain C++ (all give the same bits)."""
+    cpu = machine()
+    if all(cpu.has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")):
+        return 2
+    return 1 if cpu.has("avx2") and cpu.has("fma") else 0
+
+
+def as_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_0 rows as Q4_1 rows of the same weights (m = -8 d, exact in float16), for a fused projection whose
+    parts mix the two."""
+    blocks = raw.reshape(raw.shape[0], -1, BLOCK_BYTES["Q4_0"])
+    d = blocks[..., :2].contiguous().view(torch.float16)
+    m = (d.float() * -8).to(torch.float16).view(torch.uint8)
+    return torch.cat([blocks[..., :2], m, blocks[..., 2:]], dim=-1).reshape(raw.shape[0], -1)
 
 
 @dataclass(frozen=True)
-class Int4Terms:
-    """A weight (out, in) as a sum of 4-bit terms: w = sum over terms of (q - 8) * scale + zero per group."""
+class GGUFLinear:
+    """A projection whose weights are a GGUF type's blocks in the kernel's layout: x (M, in) -> (M, out),
+    in the dtype x came in (float32 and bfloat16 directly, others through float32)."""
 
-    q: tuple[torch.Tensor, ...]         # each (out, in) int32 in [0, 15]
-    scale: tuple[torch.Tensor, ...]     # each (out, in / 32) float32
-    zero: tuple[torch.Tensor, ...]      # each (out, in / 32) float32
-
-    def dequantized(self) -> torch.Tensor:
-        """(out, in) float32: what the kernel multiplies by, before its scales are rounded to bf16."""
-        out, n_in = self.q[0].shape
-        w = torch.zeros(out, n_in // GROUP, GROUP)
-        for q, scale, zero in zip(self.q, self.scale, self.zero):
-            w += (q.view(out, -1, GROUP) - 8).float() * scale[..., None] + zero[..., None]
-        return w.view(out, n_in)
-
-    @staticmethod
-    def cat(parts: list[Int4Terms]) -> Int4Terms:
-        """Stacked along the output rows (the fused q|k|v and gate|up); every part has as many terms."""
-        assert len({len(p.q) for p in parts}) == 1, "fused parts must have as many terms"
-        stack = lambda field: tuple(torch.cat(ts) for ts in zip(*(getattr(p, field) for p in parts)))  # noqa: E731
-        return Int4Terms(stack("q"), stack("scale"), stack("zero"))
-
-
-def decode_blocks(raw: torch.Tensor, kind: str) -> Int4Terms:
-    """A GGUF tensor's raw rows, (out, blocks * BLOCK_BYTES[kind]) uint8, as 4-bit terms."""
-    assert kind in BLOCK_BYTES, f"{kind} is not served at its own bits"
-    out = raw.shape[0]
-    blocks = raw.reshape(out, -1, BLOCK_BYTES[kind])                                    # (out, nb, bytes)
-    d = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1).float()           # (out, nb)
-    if kind == "Q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int32)             # (out, nb, 32)
-        hi = torch.div(q, 16, rounding_mode="floor")                                    # [-8, 7]
-        lo = q - 16 * hi                                                                # [0, 15]
-        return Int4Terms((_rows(hi + 8), _rows(lo)), (16 * d, d), (torch.zeros_like(d), 8 * d))
-    first = 4 if kind == "Q4_1" else 2
-    qs = blocks[..., first:].to(torch.int32)                                            # (out, nb, 16)
-    q = torch.cat([qs & 0xF, qs >> 4], dim=-1)                                          # (out, nb, 32)
-    zero = (blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() + 8 * d if kind == "Q4_1"
-            else torch.zeros_like(d))
-    return Int4Terms((_rows(q),), (d,), (zero,))
-
-
-def _rows(q: torch.Tensor) -> torch.Tensor:
-    return q.reshape(q.shape[0], -1).contiguous()
-
-
-@dataclass(frozen=True)
-class Int4Linear:
-    """A projection whose weights are 4-bit terms packed for `_weight_int4pack_mm_for_cpu`: x (M, in) -> (M, out),
-    in the dtype x came in (computed in bfloat16, see the module docstring)."""
-
-    packed: tuple[torch.Tensor, ...]            # each (out, in / 2) uint8, the kernel's layout
-    scales_and_zeros: tuple[torch.Tensor, ...]  # each (in / 32, out, 2) bfloat16
-    bias: torch.Tensor | None                   # (out,) in the model dtype
-    nbytes: int
+    kind: str                       # Q4_0, Q4_1 or Q8_0
+    packed: torch.Tensor            # uint8, the kernel's layout
+    n_out: int
+    n_in: int
+    bias: torch.Tensor | None       # (out,) in the model dtype
+    level: int                      # the kernel path (kernel_level())
 
     @classmethod
-    def from_terms(cls, terms: Int4Terms, bias: torch.Tensor | None = None) -> Int4Linear:
-        packed = tuple(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES) for q in terms.q)
-        sz = tuple(torch.stack([s.t(), z.t()], dim=-1).to(torch.bfloat16).contiguous()
-                   for s, z in zip(terms.scale, terms.zero))
-        nbytes = sum(p.numel() * p.element_size() for p in packed) + sum(t.numel() * 2 for t in sz)
-        return cls(packed, sz, bias, nbytes)
+    def from_rows(cls, kind: str, raw: torch.Tensor, bias: torch.Tensor | None = None,
+                  level: int | None = None) -> GGUFLinear:
+        """raw (out, blocks * BLOCK_BYTES[kind]) uint8: a matrix's rows as the file holds them."""
+        kernel = kernels.gguf_matmul()
+        assert kernel is not None, "the GGUF kernel could not be built here"
+        n_in = raw.shape[1] // BLOCK_BYTES[kind] * GROUP
+        assert raw.shape[1] % BLOCK_BYTES[kind] == 0
+        packed = kernel.pack(kind, raw.contiguous(), n_in)
+        return cls(kind, packed, raw.shape[0], n_in, bias, kernel_level() if level is None else level)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        widen = x.dtype != torch.bfloat16           # a float32 model; no conversion (a dispatch each) in bf16
-        xb = x.to(torch.bfloat16) if widen else x
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed[0], GROUP, self.scales_and_zeros[0])
-        for packed, sz in zip(self.packed[1:], self.scales_and_zeros[1:]):
-            y += torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, sz)
-        y = y.to(x.dtype) if widen else y
+        kernel = kernels.gguf_matmul()
+        assert kernel is not None and x.dim() == 2 and x.shape[1] == self.n_in
+        xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        if xk.stride(1) != 1:
+            xk = xk.contiguous()
+        y = xk.new_empty(xk.shape[0], self.n_out)
+        kernel(self.kind, self.level, self.packed, self.n_out, xk, y)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -125,12 +109,18 @@ class GGUFBlocks:
         with safe_open(path, "pt") as f:
             return cls({name: f.get_tensor(name) for name in f.keys()}, json.loads(f.metadata()["types"]))
 
-    def terms(self, names: list[str]) -> Int4Terms | None:
-        """The 4-bit terms of the matrices `names` stacked by rows, or None unless every one has some of
-        the same count (a Q8_0 part beside a Q4 part is widened instead)."""
-        if not all(name in self.raw for name in names) or len({self.types[n] == "Q8_0" for n in names}) > 1:
+    def linear(self, names: list[str], bias: torch.Tensor | None = None) -> GGUFLinear | None:
+        """The matrices `names` stacked by rows as one `GGUFLinear`, or None unless each is in a type served at
+        its bits and they can share one (Q4_0 beside Q4_1 runs as Q4_1; Q8_0 beside a Q4 type is widened)."""
+        if not all(name in self.raw for name in names):
             return None
-        return Int4Terms.cat([decode_blocks(self.raw[n], self.types[n]) for n in names])
+        kinds = {self.types[n] for n in names}
+        if kinds == {"Q4_0", "Q4_1"}:
+            raws = [self.raw[n] if self.types[n] == "Q4_1" else as_q4_1(self.raw[n]) for n in names]
+            return GGUFLinear.from_rows("Q4_1", torch.cat(raws), bias)
+        if len(kinds) > 1:
+            return None
+        return GGUFLinear.from_rows(kinds.pop(), torch.cat([self.raw[n] for n in names]), bias)
 
     def widened(self, names: list[str]) -> str:
         """What a warning says of the matrices `names` left in the model dtype: their types, counted."""

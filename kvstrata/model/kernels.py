@@ -1,8 +1,9 @@
 """Our C++ kernels (kvstrata/model/csrc): built with the system C++ compiler at first use, cached, loaded with ctypes.
 
-Three libraries: paged attention (`paged_decode()`), bf16 RMSNorm and SiLU-and-multiply
-(`norm_act()`, which a decode step calls ~90 times where torch would dispatch ~700 ops), and the LoRA
-updates of a projection for all of a step's adapters at once (`lora_apply()`, kvstrata.model.lora).
+Four libraries: paged attention (`paged_decode()`), bf16 RMSNorm and SiLU-and-multiply
+(`norm_act()`, which a decode step calls ~90 times where torch would dispatch ~700 ops), the LoRA
+updates of a projection for all of a step's adapters at once (`lora_apply()`, kvstrata.model.lora), and
+a GGUF's matrices at their own bits (`gguf_matmul()`, kvstrata.model.gguf_bits).
 
 Why a plain shared library and not a torch extension: it needs no torch headers and loads without
 a build system. It takes raw pointers, so
@@ -40,11 +41,13 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "paged_attention.cpp"
 NORM_ACT_SOURCE = CSRC / "norm_act.cpp"
 LORA_SOURCE = CSRC / "lora.cpp"
+GGUF_SOURCE = CSRC / "gguf_matmul.cpp"
 HEADERS = [CSRC / "vec16.h"]       # included by both sources: part of every build's tag
 # Bumped whenever a change to the source moves any bit of its results: exact engines' model
 # fingerprints carry it, so they never load KV that an older kernel computed (kvstrata.model.loader).
 REVISION = 2
 NORM_ACT_REVISION = 1             # the same for norm_act.cpp, in the fingerprint of every model using it
+GGUF_REVISION = 1                 # the same for gguf_matmul.cpp, in the fingerprint of a GGUF served at its bits
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 
 
@@ -170,6 +173,40 @@ class LoRAApply:
                  rows, a, bt, ranks)
 
 
+class GGUFMatmul:
+    """`kvs_gguf_pack` and `kvs_gguf_matmul` (csrc/gguf_matmul.cpp): a GGUF's Q4_0 / Q4_1 / Q8_0 rows
+    packed once, then multiplied at their bits. Raw pointers: `kvstrata.model.gguf_bits.GGUFLinear` checks
+    what the kernel relies on."""
+
+    KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._bytes = lib.kvs_gguf_packed_bytes
+        self._bytes.restype = i64
+        self._bytes.argtypes = [c_int, i64, i64]
+        self._pack = lib.kvs_gguf_pack
+        self._pack.restype = None
+        self._pack.argtypes = [c_int, ptr, i64, i64, ptr]
+        self._matmul = lib.kvs_gguf_matmul
+        self._matmul.restype = None
+        self._matmul.argtypes = [c_int, c_int, ptr, i64, i64, ptr, i64, ptr, i64, i64, c_int]
+
+    def pack(self, kind: str, raw: torch.Tensor, n_in: int) -> torch.Tensor:
+        """raw (out, blocks * block bytes) uint8, contiguous -> the kernel's layout (uint8, 1-D)."""
+        assert raw.dtype == torch.uint8 and raw.is_contiguous() and raw.dim() == 2 and n_in % 32 == 0
+        packed = torch.empty(self._bytes(self.KINDS[kind], raw.shape[0], n_in), dtype=torch.uint8)
+        self._pack(self.KINDS[kind], raw.data_ptr(), raw.shape[0], n_in, packed.data_ptr())
+        return packed
+
+    def __call__(self, kind: str, level: int, packed: torch.Tensor, n_out: int, x: torch.Tensor,
+                 y: torch.Tensor) -> None:
+        """y (M, out) = x (M, in) @ W.T, both float32 or both bfloat16 with unit column strides;
+        level 2 AVX-512 VNNI, 1 AVX2, 0 plain C++ (each gives the same bits)."""
+        self._matmul(self.KINDS[kind], level, packed.data_ptr(), n_out, x.shape[1], x.data_ptr(), x.stride(0),
+                     y.data_ptr(), y.stride(0), x.shape[0], int(x.dtype == torch.bfloat16))
+
+
 @cache
 def paged_decode() -> PagedDecode | None:
     """The paged decode kernel, built if need be; None when it cannot be had here (logged once)."""
@@ -189,6 +226,13 @@ def lora_apply() -> LoRAApply | None:
     """The bf16 LoRA kernel, built if need be; None when it cannot be had here (adapters then use torch's ops)."""
     lib = _load(LORA_SOURCE, "LoRA kernel unavailable (%s); adapters apply their updates with torch's ops")
     return None if lib is None else LoRAApply(lib)
+
+
+@cache
+def gguf_matmul() -> GGUFMatmul | None:
+    """The GGUF kernel, built if need be; None when it cannot be had here (logged once)."""
+    lib = _load(GGUF_SOURCE, "GGUF kernel unavailable (%s); a GGUF cannot be served at its own bits here")
+    return None if lib is None else GGUFMatmul(lib)
 
 
 def _load(source: Path, unavailable: str) -> ctypes.CDLL | None:
@@ -232,7 +276,7 @@ def _build(source: Path) -> Path:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = {source: kernel() is not None for source, kernel in ((SOURCE, paged_decode), (NORM_ACT_SOURCE, norm_act),
-                                                                 (LORA_SOURCE, lora_apply))}
+                                                                 (LORA_SOURCE, lora_apply), (GGUF_SOURCE, gguf_matmul))}
     for source, ok in built.items():
         print(f"{source.stem}: {_build(source) if ok else 'unavailable (KVSTRATA_KERNELS=0, or see above)'}")
     raise SystemExit(0 if all(built.values()) else 1)

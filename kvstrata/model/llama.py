@@ -27,7 +27,7 @@ from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
-from kvstrata.model.gguf_bits import GGUFBlocks, Int4Linear
+from kvstrata.model.gguf_bits import GGUFBlocks
 from kvstrata.model.kernels import NormAct, norm_act
 from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
 from kvstrata.model.lora import LoRABatch
@@ -173,15 +173,15 @@ class LlamaModel(nn.Module):
 
     def keep_gguf_bits(self, blocks: GGUFBlocks) -> list[str]:
         """Serve every projection (and the head) whose parts the file keeps in a type `gguf_bits` runs at
-        those bits (`Int4Linear`); returns the HF names of the matrices left in the model dtype."""
+        those bits (`GGUFLinear`); returns the HF names of the matrices left in the model dtype."""
         left: list[str] = []
 
         def own_bits(projection: Projection, names: list[str]) -> Projection:
-            terms = blocks.terms(names)
-            if terms is None:
+            own = blocks.linear(names, getattr(projection, "bias", None))
+            if own is None:
                 left.extend(names)
                 return projection
-            return Int4Linear.from_terms(terms, getattr(projection, "bias", None))
+            return own
 
         for i, layer in enumerate(self.layers):
             attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."

@@ -159,6 +159,9 @@ def plan_load(config: ModelConfig) -> LoadPlan:
         raise ValueError(f"--quantization {config.quantization} runs on CPU only, not on {device}")
     if config.quantization == "gguf" and config.load_format == "dummy":
         raise ValueError("--quantization gguf serves a GGUF file's own blocks; dummy weights have none")
+    if config.quantization == "gguf" and kernels.gguf_matmul() is None:
+        raise ValueError("--quantization gguf needs kvstrata's GGUF kernel, which could not be built here (a C++ "
+                         "compiler on PATH, KVSTRATA_KERNELS not 0; see the warning above); use --quantization none")
     dtype = resolve_dtype(config.dtype, device, config.quantization)
     if config.load_format == "dummy":
         arch = dummy.dummy_source(config.model).arch
@@ -249,6 +252,8 @@ def _build(hf_config: dict, tensors: Any, folder: Path | None, tokenizer_folder:
     # sums change a 16-bit model's K/V in their last bits: a batch-invariant engine that loaded
     # another's KV would lose its guarantee (the key is absent otherwise, so other fingerprints stay).
     identity = {"weights": weight_ids, "arch": asdict(arch), "quantization": quantization}
+    if quantization == "gguf":
+        identity["gguf_kernel"] = kernels.GGUF_REVISION
     if exact_sums:
         identity["exact_sums"] = True
         model.sum_exactly()

@@ -1,7 +1,7 @@
-"""A GGUF's Q4_0 / Q4_1 / Q8_0 matrices served at their own bits (`--quantization gguf`): the blocks decode
-to exactly what gguf-py dequantizes, the 4-bit kernel multiplies by those weights, a row's result does
-not depend on its batch, other types are widened with a warning, and the engine's greedy outputs are the
-same with every cache feature on as off."""
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 matrices served at their own bits (`--quantization gguf`): the kernel multiplies
+by exactly what gguf-py dequantizes (activations quantized to int8 blocks, as llama.cpp does), its AVX-512
+VNNI, AVX2 and plain paths give the same bits, a row's result does not depend on its batch, other types
+are widened with a warning, and the engine's greedy outputs are the same with every cache feature on as off."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 from kvstrata.core.config import EngineConfig, ModelConfig
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.model.gguf_bits import BLOCK_BYTES, Int4Linear, decode_blocks
+from kvstrata.model.gguf_bits import BLOCK_BYTES, GGUFLinear, as_q4_1, kernel_level
 from kvstrata.model.linear import PackedLinear
 from kvstrata.model.loader import load_model
 from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model, write_tiny_gguf
@@ -36,60 +36,76 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("kind", list(BLOCK_BYTES))
-def test_blocks_decode_to_what_gguf_py_dequantizes(kind):
-    w = np.random.default_rng(0).normal(0, 0.3, (48, 96)).astype(np.float32)
-    w[3] = 0.0                                                  # an all-zero block: d = 0
+def quantized(kind: str, shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random matrix as a GGUF type's raw rows, and what gguf-py dequantizes them to (float64)."""
+    w = np.random.default_rng(seed).normal(0, 0.3, shape).astype(np.float32)
+    w[3] = 0.0                                                  # an all-zero row: d = 0
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
-    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
-    terms = decode_blocks(torch.from_numpy(raw), kind)
-    assert len(terms.q) == (2 if kind == "Q8_0" else 1)
-    assert all(int(q.min()) >= 0 and int(q.max()) <= 15 for q in terms.q)
-    np.testing.assert_array_equal(terms.dequantized().numpy(), expected)
+    return torch.from_numpy(raw), torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).double()
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x (M, in) as the kernel quantizes it (blocks of 32, scale max|x| / 127, round half to even), float64."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inverse) * d).view_as(x).double()
 
 
 @pytest.mark.parametrize("kind", list(BLOCK_BYTES))
-def test_the_kernel_multiplies_by_the_decoded_weights_and_a_row_is_independent_of_its_batch(kind):
-    w = np.random.default_rng(1).normal(0, 0.3, (64, 128)).astype(np.float32)
-    terms = decode_blocks(torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])), kind)
-    bias = torch.randn(64)
-    linear = Int4Linear.from_terms(terms, bias)
-    x = torch.randn(9, 128)
-    y = linear(x)
+def test_the_kernel_multiplies_by_what_gguf_py_dequantizes_and_every_path_gives_the_same_bits(kind):
+    raw, weights = quantized(kind, (72, 256), seed=1)           # 72 rows: a last tile of 8
+    bias = torch.randn(72)
+    x = torch.randn(9, 256)
+    x[4, :32] = 0.0                                             # an all-zero activation block
+    levels = range(kernel_level() + 1)
+    outs = [GGUFLinear.from_rows(kind, raw, bias, level=level)(x) for level in levels]
+    assert len(outs) == 3 or kernel_level() < 2                 # on an AVX-512 VNNI CPU all three ran
+    assert all(torch.equal(out, outs[0]) for out in outs), "the ISA paths differ"
+    y = outs[-1]
+    exact = int8_blocks(x) @ weights.t() + bias.double()
     assert y.dtype == torch.float32
-    reference = x.bfloat16().float() @ terms.dequantized().t() + bias
-    # bf16 scales (2^-9 relative) and bf16 outputs: a few parts in a thousand of the row's scale
-    assert (y - reference).abs().max() <= 1e-2 * reference.abs().max()
-    assert torch.equal(linear(x[:1]), y[:1]) and torch.equal(linear(x[4:6]), y[4:6])
-    assert linear.nbytes <= w.size * (1.25 if kind == "Q8_0" else 0.625)     # half a byte a weight a term, + scale and zero
+    assert (y.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+    plain = x.double() @ weights.t() + bias.double()            # int8 activations: a few parts in a thousand
+    assert (y.double() - plain).abs().max() <= 2e-2 * plain.abs().max()
+    linear = GGUFLinear.from_rows(kind, raw, bias)
+    assert torch.equal(linear(x[:1]), y[:1]) and torch.equal(linear(x[3:8]), y[3:8])
+    assert linear.nbytes <= 80 * 256 * BLOCK_BYTES[kind] / 32 * 1.0001 + 80 * 8   # the file's bytes, rows to 16
+    unbiased, xb = GGUFLinear.from_rows(kind, raw), x.bfloat16()   # bf16 in, bf16 out: the float32 sums rounded once
+    assert torch.equal(unbiased(xb), unbiased(xb.float()).bfloat16())
 
 
-# In a child whose CPU is capped at AVX2 (kvstrata.core.machine.isa_cap_environ: torch dispatches its AVX2
-# kernels): the 4-bit kernel's error against the decoded weights and a row's independence of its batch.
+def test_q4_0_rows_as_q4_1_are_the_same_weights():
+    raw, weights = quantized("Q4_0", (32, 128), seed=4)
+    as_q4_1_weights = gguf.quants.dequantize(as_q4_1(raw).numpy(), gguf.GGMLQuantizationType.Q4_1)
+    np.testing.assert_array_equal(as_q4_1_weights, weights.numpy())
+    x = torch.randn(3, 128)           # the same sums, but Q4_1's minimum is its own term: other roundings
+    exact = int8_blocks(x) @ weights.t()
+    assert (GGUFLinear.from_rows("Q4_1", as_q4_1(raw))(x).double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+
+
+# In a child whose CPU is capped at AVX2 (kvstrata.core.machine.isa_cap_environ): the kernel takes its AVX2 path
+# and gives the bits the uncapped process gives.
 CAPPED_CHECK = """
-import json, gguf, numpy as np, torch
+import json, sys, torch
 from kvstrata.core.machine import machine
-from kvstrata.model.gguf_bits import Int4Linear, decode_blocks
-out = {"isa": machine().isa, "aten": torch.backends.cpu.get_cpu_capability(), "errors": {}, "row_alone": {}}
-for kind in ("Q4_0", "Q4_1", "Q8_0"):
-    w = np.random.default_rng(2).normal(0, 0.3, (64, 128)).astype(np.float32)
-    terms = decode_blocks(torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])), kind)
-    linear, x = Int4Linear.from_terms(terms), torch.randn(5, 128)
-    y, ref = linear(x), x.bfloat16().float() @ terms.dequantized().t()
-    out["errors"][kind] = float((y - ref).abs().max() / ref.abs().max())
-    out["row_alone"][kind] = bool(torch.equal(linear(x[2:3]), y[2:3]))
-print(json.dumps(out))
+from kvstrata.model.gguf_bits import GGUFLinear, kernel_level
+raw, x = torch.load(sys.argv[1])
+print(json.dumps({"isa": machine().isa, "level": kernel_level(), "y": GGUFLinear.from_rows("Q4_1", raw)(x).tolist()}))
 """
 
 
-def test_the_4bit_kernel_under_an_avx2_cap():
+def test_the_kernel_under_an_avx2_cap(tmp_path):
     from kvstrata.core.machine import isa_cap_environ
-    done = subprocess.run([sys.executable, "-c", CAPPED_CHECK], env={**os.environ, **isa_cap_environ("avx2")},
-                          capture_output=True, text=True, timeout=120, check=True,
-                          cwd=Path(__file__).resolve().parents[2])
+    raw, _ = quantized("Q4_1", (48, 128), seed=2)
+    x = torch.randn(5, 128)
+    torch.save((raw, x), tmp_path / "case.pt")
+    done = subprocess.run([sys.executable, "-c", CAPPED_CHECK, str(tmp_path / "case.pt")],
+                          env={**os.environ, **isa_cap_environ("avx2")}, capture_output=True, text=True,
+                          timeout=120, check=True, cwd=Path(__file__).resolve().parents[2])
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "avx512f" not in seen["isa"] and seen["aten"] == "AVX2", seen          # torch's AVX2 kernels ran
-    assert all(error <= 1e-2 for error in seen["errors"].values()) and all(seen["row_alone"].values()), seen
+    assert "avx512f" not in seen["isa"] and seen["level"] == 1, seen
+    assert torch.equal(torch.tensor(seen["y"]), GGUFLinear.from_rows("Q4_1", raw)(x))
 
 
 @pytest.fixture
@@ -107,8 +123,9 @@ def test_a_gguf_is_served_at_its_own_bits_and_other_types_widened_with_a_warning
         own = load_model(ModelConfig(model=str(quantized_gguf), quantization="gguf", dtype="float32"))
     widened = load_model(ModelConfig(model=str(quantized_gguf), dtype="float32"))
     layer = own.model.layers[0].projections
-    assert all(isinstance(layer[name], Int4Linear) for name in ("qkv", "o", "gate_up"))
-    assert isinstance(layer["down"], PackedLinear) and isinstance(own.model.head, Int4Linear)
+    assert all(isinstance(layer[name], GGUFLinear) for name in ("qkv", "o", "gate_up"))
+    assert layer["o"].kind == "Q4_1" and layer["qkv"].kind == "Q4_0" and own.model.head.kind == "Q8_0"
+    assert isinstance(layer["down"], PackedLinear) and isinstance(own.model.head, GGUFLinear)
     assert "2 matrices widened to float32 (2 F16)" in caplog.text
     assert own.fingerprint != widened.fingerprint            # KV of one weight format never serves the other
     logits = {}
@@ -119,7 +136,7 @@ def test_a_gguf_is_served_at_its_own_bits_and_other_types_widened_with_a_warning
         for _ in range(7):
             run_step(loaded.model, kv, [(seq, 1)])
         logits[name] = torch.stack(seq.logits)
-    # the same weights: only the kernel's bf16 activations and scales differ from the float32 model
+    # the same weights: only the kernel's int8 activation blocks differ from the float32 model
     assert (logits["own"] - logits["widened"]).abs().max() <= 0.05 * logits["widened"].abs().max()
 
 

@@ -1,0 +1,310 @@
+// A GGUF's Q4_0 / Q4_1 / Q8_0 matrices times activation rows, the weights read at their own bits (see
+// kvstrata/model/gguf_bits.py). A decode step is memory-bound: what it costs is the bytes of weights it
+// reads, so the weights stay 4.5-8.5 bits and the activations come down to them instead, as llama.cpp does:
+// each row is quantized to int8 in blocks of 32 (d = max|x| / 127), and a weight block times an
+// activation block is one integer dot product (VNNI's u8 x s8 -> s32), scaled once in float32.
+//
+// Layout (`kvs_gguf_pack` writes it): output rows go in tiles of 16; a tile holds its blocks in order,
+// each block its 16 rows' quants interleaved 4 bytes a row (so one 64-byte load is 16 rows x 4 inputs,
+// which a broadcast of 4 activation bytes multiplies lane by lane: no horizontal sums), then the 16
+// rows' float16 scales d, then (Q4_1) their float16 minimums m. Q4 bytes keep the file's nibbles (input
+// j low, j + 16 high); Q8_0 quants are stored + 128 so they are unsigned.
+//
+// Exactness: a block's integer sum s = sum((q - offset) * xq) is exact on every path; then
+// acc = fma(d, float(s) * dx, acc) (and Q4_1: acc = fma(m, dx * sum(xq), acc)), block after block in order.
+// The AVX-512 VNNI, AVX2 and plain paths do these same float operations, so they give the same bits, and
+// a row's result depends only on that row: never on the rows beside it, their number or the thread.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 16;                   // output rows per tile
+constexpr int64_t QK = 32;                     // weights per block
+constexpr int R = 4;                           // activation rows per pass over a tile's weights
+constexpr int64_t PARALLEL_MACS = 1 << 20;     // fewer multiply-adds than this: one thread
+
+enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+
+constexpr int64_t data_bytes(int kind) { return kind == Q8_0 ? 512 : 256; }
+constexpr int64_t block_stride(int kind) { return data_bytes(kind) + 32 + (kind == Q4_1 ? 32 : 0); }
+constexpr int32_t offset_of(int kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : 0; }
+
+// One row's activations as int8 blocks: quants, scale, the quants' sum, and scale * sum (Q4_1's minimum term).
+struct Acts {
+    const int8_t* q;      // (rows, in)
+    const float* dx;      // (rows, nb)
+    const int32_t* sx;    // (rows, nb)
+    const float* sxd;     // (rows, nb)
+    int64_t in, nb;
+};
+
+float half_to_float(const uint8_t* p) {
+    _Float16 h;
+    std::memcpy(&h, p, 2);
+    return static_cast<float>(h);
+}
+
+// Every operation here is exactly rounded (max, divide, multiply, round half to even), so each target
+// of the clone gives the same quants.
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+void quantize_row(const float* x, int64_t in, int8_t* q, float* dx, int32_t* sx, float* sxd) {
+    for (int64_t b = 0; b < in / QK; ++b) {
+        const float* xb = x + b * QK;
+        float amax = 0.f;
+        for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+        const float d = amax / 127.f;
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; ++i) {
+            const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
+            q[b * QK + i] = static_cast<int8_t>(v);
+            sum += v;
+        }
+        dx[b] = d;
+        sx[b] = sum;
+        sxd[b] = d * static_cast<float>(sum);
+    }
+}
+
+// The plain path: what the vector paths compute, one lane at a time.
+template <int KIND>
+void tile_plain(const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*acc)[TILE]) {
+    for (int r = 0; r < nr; ++r)
+        for (int64_t l = 0; l < TILE; ++l) acc[r][l] = 0.f;
+    for (int64_t b = 0; b < a.nb; ++b) {
+        const uint8_t* blk = tile + b * block_stride(KIND);
+        for (int64_t l = 0; l < TILE; ++l) {
+            int32_t u[QK];
+            for (int i = 0; i < QK; ++i) {
+                if (KIND == Q8_0) {
+                    u[i] = blk[(i / 4) * 64 + l * 4 + i % 4];
+                } else {
+                    const uint8_t byte = blk[((i % 16) / 4) * 64 + l * 4 + i % 4];
+                    u[i] = i < 16 ? byte & 0x0F : byte >> 4;
+                }
+            }
+            const float d = half_to_float(blk + data_bytes(KIND) + 2 * l);
+            for (int r = 0; r < nr; ++r) {
+                const int8_t* xq = a.q + (r0 + r) * a.in + b * QK;
+                int32_t s = 0;
+                for (int i = 0; i < QK; ++i) s += u[i] * xq[i];
+                s -= offset_of(KIND) * a.sx[(r0 + r) * a.nb + b];
+                const float p = static_cast<float>(s) * a.dx[(r0 + r) * a.nb + b];
+                acc[r][l] = std::fma(d, p, acc[r][l]);
+                if (KIND == Q4_1)
+                    acc[r][l] = std::fma(half_to_float(blk + data_bytes(KIND) + 32 + 2 * l),
+                                         a.sxd[(r0 + r) * a.nb + b], acc[r][l]);
+            }
+        }
+    }
+}
+
+inline int32_t four_bytes(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+// AVX-512 VNNI: a block of 16 rows is 8 vectors of 16 rows x 4 inputs; 8 dpbusd per activation row.
+template <int KIND, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE]) {
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < a.nb; ++b) {
+        const uint8_t* blk = tile + b * block_stride(KIND);
+        __m512i w[8];                                   // w[j]: 16 rows x inputs 4j .. 4j + 3 of the block
+        if (KIND == Q8_0) {
+            for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
+        } else {
+            for (int j = 0; j < 4; ++j) {
+                const __m512i v = _mm512_loadu_si512(blk + 64 * j);
+                w[j] = _mm512_and_si512(v, low);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + data_bytes(KIND))));
+        for (int r = 0; r < NR; ++r) {
+            const int64_t row = r0 + r;
+            const int8_t* xq = a.q + row * a.in + b * QK;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(four_bytes(xq + 4 * j)));
+                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(four_bytes(xq + 4 * j + 4)));
+            }
+            __m512i s = _mm512_add_epi32(s0, s1);
+            if (offset_of(KIND) != 0)
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset_of(KIND) * a.sx[row * a.nb + b]));
+            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a.dx[row * a.nb + b]));
+            acc[r] = _mm512_fmadd_ps(d, p, acc[r]);
+            if (KIND == Q4_1) {
+                const __m512 m = _mm512_cvtph_ps(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + data_bytes(KIND) + 32)));
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sxd[row * a.nb + b]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+// AVX2: each half of a tile (8 rows) on its own; u8 x s8 pairs sum in int16 (maddubs), which Q4's
+// quants (<= 15) never saturate; Q8_0 goes signed (|w| x sign(x, w)), so its pairs stay <= 2 x 128 x 127.
+template <int KIND, int NR>
+__attribute__((target("avx2,fma,f16c")))
+void tile_avx2(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; ++half) {
+        __m256 acc[NR];
+        for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < a.nb; ++b) {
+            const uint8_t* blk = tile + b * block_stride(KIND);
+            __m256i w[8];
+            for (int j = 0; j < (KIND == Q8_0 ? 8 : 4); ++j) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
+                if (KIND == Q8_0) {
+                    w[j] = _mm256_xor_si256(v, flip);              // the signed quant
+                } else {
+                    w[j] = _mm256_and_si256(v, low);
+                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + data_bytes(KIND) + 16 * half)));
+            for (int r = 0; r < NR; ++r) {
+                const int64_t row = r0 + r;
+                const int8_t* xq = a.q + row * a.in + b * QK;
+                __m256i s = _mm256_setzero_si256();
+                for (int j = 0; j < 8; ++j) {
+                    const __m256i x = _mm256_set1_epi32(four_bytes(xq + 4 * j));
+                    const __m256i pairs = KIND == Q8_0
+                        ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x, w[j]))
+                        : _mm256_maddubs_epi16(w[j], x);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(pairs, ones));
+                }
+                if (KIND == Q4_0)                               // Q8_0's sum is already signed
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset_of(KIND) * a.sx[row * a.nb + b]));
+                const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.dx[row * a.nb + b]));
+                acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
+                if (KIND == Q4_1) {
+                    const __m256 m = _mm256_cvtph_ps(
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + data_bytes(KIND) + 32 + 16 * half)));
+                    acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sxd[row * a.nb + b]), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out[r] + 8 * half, acc[r]);
+    }
+}
+
+template <int KIND>
+void tile_rows(int level, const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*acc)[TILE]) {
+    if (level == 0) return tile_plain<KIND>(tile, a, r0, nr, acc);
+    auto run = [&](auto width) {
+        constexpr int N = decltype(width)::value;
+        if (level == 2) tile_vnni<KIND, N>(tile, a, r0, acc);
+        else tile_avx2<KIND, N>(tile, a, r0, acc);
+    };
+    switch (nr) {
+        case 4: run(std::integral_constant<int, 4>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        default: run(std::integral_constant<int, 1>{}); break;
+    }
+}
+
+// float32 -> bfloat16, rounded to nearest even as torch rounds (NaN -> the quiet NaN)
+uint16_t to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bytes of the packed layout of an (out, in) matrix of `kind` (0 Q4_0, 1 Q4_1, 2 Q8_0).
+int64_t kvs_gguf_packed_bytes(int kind, int64_t out, int64_t in) {
+    return (out + TILE - 1) / TILE * (in / QK) * block_stride(kind);
+}
+
+// The file's raw rows (out, in / 32 blocks in ggml's layout of `kind`) -> the packed layout (see the
+// top). Rows past `out` in the last tile are zero (scale 0).
+void kvs_gguf_pack(int kind, const uint8_t* raw, int64_t out, int64_t in, uint8_t* packed) {
+    const int64_t nb = in / QK, stride = block_stride(kind), tiles = (out + TILE - 1) / TILE;
+    const int64_t src_bytes = kind == Q8_0 ? 34 : kind == Q4_1 ? 20 : 18;
+    const int64_t first = kind == Q4_1 ? 4 : 2;                  // where a block's quants start
+    const int64_t quant_bytes = kind == Q8_0 ? 32 : 16;
+    std::memset(packed, 0, static_cast<size_t>(tiles * nb * stride));
+    for (int64_t o = 0; o < out; ++o) {
+        const int64_t t = o / TILE, l = o % TILE;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* src = raw + (o * nb + b) * src_bytes;
+            uint8_t* blk = packed + (t * nb + b) * stride;
+            for (int64_t i = 0; i < quant_bytes; ++i)
+                blk[(i / 4) * 64 + l * 4 + i % 4] = kind == Q8_0 ? src[first + i] ^ 0x80 : src[first + i];
+            std::memcpy(blk + data_bytes(kind) + 2 * l, src, 2);                        // d
+            if (kind == Q4_1) std::memcpy(blk + data_bytes(kind) + 32 + 2 * l, src + 2, 2);   // m
+        }
+    }
+}
+
+// y (rows, out) = x (rows, in) times the packed (out, in) matrix transposed. x and y float32 (is_bf16 0) or
+// bfloat16 (1), with row strides x_stride and y_stride; in % 32 == 0. level: 2 AVX-512 VNNI, 1 AVX2, 0 plain.
+void kvs_gguf_matmul(int kind, int level, const uint8_t* packed, int64_t out, int64_t in, const void* x,
+                     int64_t x_stride, void* y, int64_t y_stride, int64_t rows, int is_bf16) {
+    const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE, stride = block_stride(kind);
+    std::vector<int8_t> q(static_cast<size_t>(rows * in));
+    std::vector<float> dx(static_cast<size_t>(rows * nb)), sxd(dx.size());
+    std::vector<int32_t> sx(dx.size());
+    const bool parallel = rows * in * out >= PARALLEL_MACS;
+#pragma omp parallel if (parallel)
+    {
+        std::vector<float> wide(static_cast<size_t>(in));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* xr = static_cast<const float*>(x) + r * x_stride;
+            if (is_bf16) {
+                const uint16_t* xb = static_cast<const uint16_t*>(x) + r * x_stride;
+                for (int64_t i = 0; i < in; ++i) {
+                    const uint32_t u = static_cast<uint32_t>(xb[i]) << 16;
+                    std::memcpy(&wide[i], &u, 4);
+                }
+                xr = wide.data();
+            }
+            quantize_row(xr, in, q.data() + r * in, dx.data() + r * nb, sx.data() + r * nb, sxd.data() + r * nb);
+        }
+    }
+    const Acts acts{q.data(), dx.data(), sx.data(), sxd.data(), in, nb};
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const uint8_t* tile = packed + t * nb * stride;
+        const int64_t lanes = std::min<int64_t>(TILE, out - t * TILE);
+        for (int64_t r0 = 0; r0 < rows; r0 += R) {
+            const int nr = static_cast<int>(std::min<int64_t>(R, rows - r0));
+            float acc[R][TILE];
+            switch (kind) {
+                case Q4_0: tile_rows<Q4_0>(level, tile, acts, r0, nr, acc); break;
+                case Q4_1: tile_rows<Q4_1>(level, tile, acts, r0, nr, acc); break;
+                default: tile_rows<Q8_0>(level, tile, acts, r0, nr, acc); break;
+            }
+            for (int r = 0; r < nr; ++r) {
+                if (is_bf16) {
+                    uint16_t* yr = static_cast<uint16_t*>(y) + (r0 + r) * y_stride + t * TILE;
+                    for (int64_t l = 0; l < lanes; ++l) yr[l] = to_bf16(acc[r][l]);
+                } else {
+                    std::memcpy(static_cast<float*>(y) + (r0 + r) * y_stride + t * TILE, acc[r], lanes * 4);
+                }
+            }
+        }
+    }
+}
+
+}  // extern "C"
