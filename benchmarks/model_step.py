@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/model_step.py --dtypes float32 --batches 16 --ctx 1040 --shared-prefix 1024
     .venv/bin/python benchmarks/model_step.py --dtypes bfloat16 --batches 16 --ctx 1040 --in-order --prefills
     .venv/bin/python benchmarks/model_step.py --dtypes int8 --batches 1 8 --compile --profile
+    .venv/bin/python benchmarks/model_step.py --model FILE.gguf --dtypes gguf bfloat16 --batches 1 --prefills --profile
 
 --shared-prefix N gives every decoding sequence the same first N tokens' blocks (as prefix caching
 leaves them) and the runner's decode groups (kvstrata.kvcache.prefix_groups), so attention reads
@@ -148,6 +149,7 @@ def main() -> None:
     parser.add_argument("--in-order", action="store_true",
                         help="decodes' blocks consecutive, as a fresh engine allocates them (default: scattered)")
     parser.add_argument("--prefills", nargs="*", type=int, default=[128, 512])
+    parser.add_argument("--model", default=None, help="a model other than the default (a GGUF file for gguf)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler op table per run")
@@ -166,7 +168,8 @@ def main() -> None:
     for name, compile_ in [(n, c) for n in args.dtypes for c in (False, True) if c <= args.compile]:
         dtype, quantization = WEIGHTS[name]
         start = time.perf_counter()
-        loaded = load_model(ModelConfig(dtype=dtype, device="cpu", quantization=quantization, compile=compile_,
+        chosen = {} if args.model is None else {"model": args.model}
+        loaded = load_model(ModelConfig(**chosen, dtype=dtype, device="cpu", quantization=quantization, compile=compile_,
                                         batch_invariant=args.batch_invariant))
         name = f"{name}+c" if compile_ else name
         name = f"{name}/bi" if args.batch_invariant else name

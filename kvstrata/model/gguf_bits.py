@@ -1,4 +1,4 @@
-"""GGUF weights served at their own bits (`--quantization gguf`): Q4_0, Q4_1 and Q8_0 projections run by
+"""GGUF weights served at their own bits (`--quantization gguf`): Q4_0, Q4_1, Q8_0 and Q6_K projections run by
 our kernel (csrc/gguf_matmul.cpp) straight from the file's blocks, never widened to 16 bits.
 
 A decode step is memory-bound, so the weights stay at the file's 4.5-8.5 bits a weight and the
@@ -8,14 +8,18 @@ product (AVX-512 VNNI's u8 x s8 sums, or AVX2's), scaled once in float32:
 - Q4_0 (d, 4-bit q):  w = d * (q - 8)
 - Q4_1 (d, m, q):     w = d * q + m
 - Q8_0 (d, int8 q):   w = d * q
+- Q6_K (d, int8 sc per 16, 6-bit q per weight, in blocks of 256): w = d * sc * (q - 32)
 with the file's float16 d and m as they are. The weights are repacked once at load (tiles of 16 rows,
-see the C++ source) at the same bytes as the file. Every ISA path gives the same bits, and a row's
+see the C++ source) at the same bytes as the file, but Q6_K at a byte a weight (1.125 with its scales,
+against the file's 0.82 and bfloat16's 2: llama-quantize keeps the output matrix of a Q4_0 file in Q6_K,
+a third of a 1B model's bytes). Every ISA path gives the same bits, and a row's
 result never depends on the other rows of its batch, so greedy outputs do not depend on batching or on
 what the caches held. `benchmarks/quant_accuracy.py` measures the perplexity int8 activations cost
 (llama.cpp pays the same).
 
 Block layouts (ggml): Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]}, Q8_0 {f16 d; i8 qs[32]};
-a 4-bit block holds weight j in the low nibble of qs[j] and weight j + 16 in its high nibble.
+a 4-bit block holds weight j in the low nibble of qs[j] and weight j + 16 in its high nibble. Q6_K
+{u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d} for 256 weights (the C++ packer unpacks it).
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from kvstrata.core.machine import machine
 from kvstrata.model import kernels
 
 BLOCKS_FILE = "gguf-blocks"                           # in a converted GGUF's folder (kvstrata.model.gguf_convert)
-GROUP = 32                                            # weights per GGUF block
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}    # the types served at their own bits
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q6_K": 210}    # the types served at their own bits
+BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q6_K": 256}
 
 
 def kernel_level() -> int:
@@ -58,7 +62,7 @@ class GGUFLinear:
     """A projection whose weights are a GGUF type's blocks in the kernel's layout: x (M, in) -> (M, out),
     in the dtype x came in (float32 and bfloat16 directly, others through float32)."""
 
-    kind: str                       # Q4_0, Q4_1 or Q8_0
+    kind: str                       # a BLOCK_BYTES type
     packed: torch.Tensor            # uint8, the kernel's layout
     n_out: int
     n_in: int
@@ -71,7 +75,7 @@ class GGUFLinear:
         """raw (out, blocks * BLOCK_BYTES[kind]) uint8: a matrix's rows as the file holds them."""
         kernel = kernels.gguf_matmul()
         assert kernel is not None, "the GGUF kernel could not be built here"
-        n_in = raw.shape[1] // BLOCK_BYTES[kind] * GROUP
+        n_in = raw.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS[kind]
         assert raw.shape[1] % BLOCK_BYTES[kind] == 0
         packed = kernel.pack(kind, raw.contiguous(), n_in)
         return cls(kind, packed, raw.shape[0], n_in, bias, kernel_level() if level is None else level)
@@ -111,7 +115,7 @@ class GGUFBlocks:
 
     def linear(self, names: list[str], bias: torch.Tensor | None = None) -> GGUFLinear | None:
         """The matrices `names` stacked by rows as one `GGUFLinear`, or None unless each is in a type served at
-        its bits and they can share one (Q4_0 beside Q4_1 runs as Q4_1; Q8_0 beside a Q4 type is widened)."""
+        its bits and they can share one (Q4_0 beside Q4_1 runs as Q4_1; other mixes are widened)."""
         if not all(name in self.raw for name in names):
             return None
         kinds = {self.types[n] for n in names}

@@ -39,7 +39,7 @@ from kvstrata.model.gguf_bits import BLOCK_BYTES, BLOCKS_FILE
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2          # 2: gguf-blocks
+CONVERTER_VERSION = 3          # 2: gguf-blocks; 3: Q6_K's blocks too
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -174,11 +174,11 @@ class LoRAApply:
 
 
 class GGUFMatmul:
-    """`kvs_gguf_pack` and `kvs_gguf_matmul` (csrc/gguf_matmul.cpp): a GGUF's Q4_0 / Q4_1 / Q8_0 rows
+    """`kvs_gguf_pack` and `kvs_gguf_matmul` (csrc/gguf_matmul.cpp): a GGUF's Q4_0 / Q4_1 / Q8_0 / Q6_K rows
     packed once, then multiplied at their bits. Raw pointers: `kvstrata.model.gguf_bits.GGUFLinear` checks
     what the kernel relies on."""
 
-    KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+    KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q6_K": 3}
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -194,7 +194,7 @@ class GGUFMatmul:
 
     def pack(self, kind: str, raw: torch.Tensor, n_in: int) -> torch.Tensor:
         """raw (out, blocks * block bytes) uint8, contiguous -> the kernel's layout (uint8, 1-D)."""
-        assert raw.dtype == torch.uint8 and raw.is_contiguous() and raw.dim() == 2 and n_in % 32 == 0
+        assert raw.dtype == torch.uint8 and raw.is_contiguous() and raw.dim() == 2 and n_in % (256 if kind == "Q6_K" else 32) == 0
         packed = torch.empty(self._bytes(self.KINDS[kind], raw.shape[0], n_in), dtype=torch.uint8)
         self._pack(self.KINDS[kind], raw.data_ptr(), raw.shape[0], n_in, packed.data_ptr())
         return packed

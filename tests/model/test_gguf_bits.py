@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 from kvstrata.core.config import EngineConfig, ModelConfig
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.model.gguf_bits import BLOCK_BYTES, GGUFLinear, as_q4_1, kernel_level
+from kvstrata.model.gguf_bits import BLOCK_BYTES, BLOCK_WEIGHTS, GGUFLinear, as_q4_1, kernel_level
 from kvstrata.model.linear import PackedLinear
 from kvstrata.model.loader import load_model
 from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model, write_tiny_gguf
@@ -37,10 +37,19 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def quantized(kind: str, shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random matrix as a GGUF type's raw rows, and what gguf-py dequantizes them to (float64)."""
-    w = np.random.default_rng(seed).normal(0, 0.3, shape).astype(np.float32)
-    w[3] = 0.0                                                  # an all-zero row: d = 0
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    """A random matrix as a GGUF type's raw rows, and what gguf-py dequantizes them to (float64). gguf-py
+    cannot quantize to Q6_K: its blocks are random bytes with a small float16 d (every quant, scale and
+    bit of the layout reached)."""
+    rng = np.random.default_rng(seed)
+    if kind == "Q6_K":
+        blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, 210), dtype=np.uint8)
+        blocks[..., 208:210] = rng.uniform(1e-3, 4e-3, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+        blocks[3, :, 208:210] = 0                               # d = 0
+        raw = blocks.reshape(shape[0], -1)
+    else:
+        w = rng.normal(0, 0.3, shape).astype(np.float32)
+        w[3] = 0.0                                              # an all-zero row: d = 0
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
     return torch.from_numpy(raw), torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).double()
 
 
@@ -58,6 +67,7 @@ def test_the_kernel_multiplies_by_what_gguf_py_dequantizes_and_every_path_gives_
     bias = torch.randn(72)
     x = torch.randn(9, 256)
     x[4, :32] = 0.0                                             # an all-zero activation block
+    assert weights.abs().max() > 0 and float(weights[3].abs().max()) == 0.0
     levels = range(kernel_level() + 1)
     outs = [GGUFLinear.from_rows(kind, raw, bias, level=level)(x) for level in levels]
     assert len(outs) == 3 or kernel_level() < 2                 # on an AVX-512 VNNI CPU all three ran
@@ -70,7 +80,8 @@ def test_the_kernel_multiplies_by_what_gguf_py_dequantizes_and_every_path_gives_
     assert (y.double() - plain).abs().max() <= 2e-2 * plain.abs().max()
     linear = GGUFLinear.from_rows(kind, raw, bias)
     assert torch.equal(linear(x[:1]), y[:1]) and torch.equal(linear(x[3:8]), y[3:8])
-    assert linear.nbytes <= 80 * 256 * BLOCK_BYTES[kind] / 32 * 1.0001 + 80 * 8   # the file's bytes, rows to 16
+    file_bytes = 80 * 256 * (BLOCK_BYTES[kind] / BLOCK_WEIGHTS[kind] if kind != "Q6_K" else 1.125)   # rows to 16
+    assert linear.nbytes == file_bytes
     unbiased, xb = GGUFLinear.from_rows(kind, raw), x.bfloat16()   # bf16 in, bf16 out: the float32 sums rounded once
     assert torch.equal(unbiased(xb), unbiased(xb.float()).bfloat16())
 

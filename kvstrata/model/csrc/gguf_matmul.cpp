@@ -1,4 +1,4 @@
-// A GGUF's Q4_0 / Q4_1 / Q8_0 matrices times activation rows, the weights read at their own bits (see
+// A GGUF's Q4_0 / Q4_1 / Q8_0 / Q6_K matrices times activation rows, the weights read at their own bits (see
 // kvstrata/model/gguf_bits.py). A decode step is memory-bound: what it costs is the bytes of weights it
 // reads, so the weights stay 4.5-8.5 bits and the activations come down to them instead, as llama.cpp does:
 // each row is quantized to int8 in blocks of 32 (d = max|x| / 127), and a weight block times an
@@ -8,10 +8,14 @@
 // each block its 16 rows' quants interleaved 4 bytes a row (so one 64-byte load is 16 rows x 4 inputs,
 // which a broadcast of 4 activation bytes multiplies lane by lane: no horizontal sums), then the 16
 // rows' float16 scales d, then (Q4_1) their float16 minimums m. Q4 bytes keep the file's nibbles (input
-// j low, j + 16 high); Q8_0 quants are stored + 128 so they are unsigned.
+// j low, j + 16 high); Q8_0 quants are stored + 128 so they are unsigned. Q6_K (w = d * sc * (q - 32),
+// one int8 sc per 16 weights, one d per 256) is kept a byte a weight, 1.125 bytes with its scales (the
+// file's 0.82; bfloat16 is 2): each block holds its 16 rows' quants, then d (repeated for each block),
+// then their int8 sc (16 for inputs 0-15, then 16 for inputs 16-31).
 //
 // Exactness: a block's integer sum s = sum((q - offset) * xq) is exact on every path; then
-// acc = fma(d, float(s) * dx, acc) (and Q4_1: acc = fma(m, dx * sum(xq), acc)), block after block in order.
+// acc = fma(d, float(s) * dx, acc) (and Q4_1: acc = fma(m, dx * sum(xq), acc)), block after block in order
+// (Q6_K: each half block's sum s_h, acc = fma(d * sc_h, float(s_h) * dx, acc), d * sc_h exact in float32).
 // The AVX-512 VNNI, AVX2 and plain paths do these same float operations, so they give the same bits, and
 // a row's result depends only on that row: never on the rows beside it, their number or the thread.
 
@@ -31,17 +35,21 @@ constexpr int64_t QK = 32;                     // weights per block
 constexpr int R = 4;                           // activation rows per pass over a tile's weights
 constexpr int64_t PARALLEL_MACS = 1 << 20;     // fewer multiply-adds than this: one thread
 
-enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3 };
 
-constexpr int64_t data_bytes(int kind) { return kind == Q8_0 ? 512 : 256; }
-constexpr int64_t block_stride(int kind) { return data_bytes(kind) + 32 + (kind == Q4_1 ? 32 : 0); }
-constexpr int32_t offset_of(int kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : 0; }
+constexpr bool byte_quants(int kind) { return kind == Q8_0 || kind == Q6_K; }
+constexpr int64_t data_bytes(int kind) { return byte_quants(kind) ? 512 : 256; }
+constexpr int64_t block_stride(int kind) { return data_bytes(kind) + 32 + (kind == Q4_1 || kind == Q6_K ? 32 : 0); }
+constexpr int32_t offset_of(int kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : kind == Q6_K ? 32 : 0; }
+constexpr int64_t source_bytes(int kind) { return kind == Q8_0 ? 34 : kind == Q4_1 ? 20 : kind == Q6_K ? 210 : 18; }
+constexpr int64_t source_weights(int kind) { return kind == Q6_K ? 256 : QK; }
 
 // One row's activations as int8 blocks: quants, scale, the quants' sum, and scale * sum (Q4_1's minimum term).
 struct Acts {
     const int8_t* q;      // (rows, in)
     const float* dx;      // (rows, nb)
     const int32_t* sx;    // (rows, nb)
+    const int32_t* sx16;  // (rows, 2 nb): each half block's sum (Q6_K's scales are per 16)
     const float* sxd;     // (rows, nb)
     int64_t in, nb;
 };
@@ -52,26 +60,90 @@ float half_to_float(const uint8_t* p) {
     return static_cast<float>(h);
 }
 
-// Every operation here is exactly rounded (max, divide, multiply, round half to even), so each target
-// of the clone gives the same quants.
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void quantize_row(const float* x, int64_t in, int8_t* q, float* dx, int32_t* sx, float* sxd) {
+// Activation rows to int8 blocks. Every operation is exactly rounded (max of magnitudes, divide, multiply,
+// round half to even, integer sums), so the three paths give the same quants.
+struct Quants {
+    int8_t* q;
+    float* dx;
+    int32_t* sx;
+    int32_t* sx16;
+    float* sxd;
+};
+
+inline float inverse(float d) { return d != 0.f ? 1.f / d : 0.f; }
+
+inline void block_sums(const Quants& out, int64_t b, float d, int32_t lo, int32_t hi) {
+    out.dx[b] = d;
+    out.sx16[2 * b] = lo;
+    out.sx16[2 * b + 1] = hi;
+    out.sx[b] = lo + hi;
+    out.sxd[b] = d * static_cast<float>(lo + hi);
+}
+
+void quantize_plain(const float* x, int64_t in, const Quants& out) {
     for (int64_t b = 0; b < in / QK; ++b) {
         const float* xb = x + b * QK;
         float amax = 0.f;
-        for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-        const float d = amax / 127.f;
-        const float id = d != 0.f ? 1.f / d : 0.f;
-        int32_t sum = 0;
+        for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float d = amax / 127.f, id = inverse(d);
+        int32_t sum[2] = {0, 0};
         for (int i = 0; i < QK; ++i) {
             const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
-            q[b * QK + i] = static_cast<int8_t>(v);
-            sum += v;
+            out.q[b * QK + i] = static_cast<int8_t>(v);
+            sum[i / 16] += v;
         }
-        dx[b] = d;
-        sx[b] = sum;
-        sxd[b] = d * static_cast<float>(sum);
+        block_sums(out, b, d, sum[0], sum[1]);
     }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void quantize_avx512(const float* x, int64_t in, const Quants& out) {
+    for (int64_t b = 0; b < in / QK; ++b) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / 127.f;
+        const __m512 id = _mm512_set1_ps(inverse(d));
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + b * QK), _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + b * QK + 16), _mm512_cvtepi32_epi8(i1));
+        block_sums(out, b, d, _mm512_reduce_add_epi32(i0), _mm512_reduce_add_epi32(i1));
+    }
+}
+
+__attribute__((target("avx2,fma")))
+int32_t sum8(__m256i v) {
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1)));
+}
+
+__attribute__((target("avx2,fma")))
+void quantize_avx2(const float* x, int64_t in, const Quants& out) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t b = 0; b < in / QK; ++b) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; ++k) {
+            v[k] = _mm256_loadu_ps(x + b * QK + 8 * k);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float d = _mm_cvtss_f32(h) / 127.f;
+        const __m256 id = _mm256_set1_ps(inverse(d));
+        __m256i i[4];
+        for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));
+        // packs work within 128-bit lanes: the permute puts the four 4-byte groups of each lane in order
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q + b * QK),
+                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        block_sums(out, b, d, sum8(_mm256_add_epi32(i[0], i[1])), sum8(_mm256_add_epi32(i[2], i[3])));
+    }
+}
+
+void quantize_row(int level, const float* x, int64_t in, const Quants& out) {
+    if (level == 2) quantize_avx512(x, in, out);
+    else if (level == 1) quantize_avx2(x, in, out);
+    else quantize_plain(x, in, out);
 }
 
 // The plain path: what the vector paths compute, one lane at a time.
@@ -84,7 +156,7 @@ void tile_plain(const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*
         for (int64_t l = 0; l < TILE; ++l) {
             int32_t u[QK];
             for (int i = 0; i < QK; ++i) {
-                if (KIND == Q8_0) {
+                if (byte_quants(KIND)) {
                     u[i] = blk[(i / 4) * 64 + l * 4 + i % 4];
                 } else {
                     const uint8_t byte = blk[((i % 16) / 4) * 64 + l * 4 + i % 4];
@@ -93,11 +165,22 @@ void tile_plain(const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*
             }
             const float d = half_to_float(blk + data_bytes(KIND) + 2 * l);
             for (int r = 0; r < nr; ++r) {
-                const int8_t* xq = a.q + (r0 + r) * a.in + b * QK;
+                const int64_t row = r0 + r;
+                const int8_t* xq = a.q + row * a.in + b * QK;
+                if (KIND == Q6_K) {
+                    for (int h = 0; h < 2; ++h) {
+                        int32_t s = 0;
+                        for (int i = 16 * h; i < 16 * h + 16; ++i) s += u[i] * xq[i];
+                        s -= offset_of(KIND) * a.sx16[row * 2 * a.nb + 2 * b + h];
+                        const float scale = static_cast<float>(static_cast<int8_t>(blk[544 + 16 * h + l])) * d;
+                        acc[r][l] = std::fma(scale, static_cast<float>(s) * a.dx[row * a.nb + b], acc[r][l]);
+                    }
+                    continue;
+                }
                 int32_t s = 0;
                 for (int i = 0; i < QK; ++i) s += u[i] * xq[i];
-                s -= offset_of(KIND) * a.sx[(r0 + r) * a.nb + b];
-                const float p = static_cast<float>(s) * a.dx[(r0 + r) * a.nb + b];
+                s -= offset_of(KIND) * a.sx[row * a.nb + b];
+                const float p = static_cast<float>(s) * a.dx[row * a.nb + b];
                 acc[r][l] = std::fma(d, p, acc[r][l]);
                 if (KIND == Q4_1)
                     acc[r][l] = std::fma(half_to_float(blk + data_bytes(KIND) + 32 + 2 * l),
@@ -119,7 +202,7 @@ void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
     for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* blk = tile + b * block_stride(KIND);
         __m512i w[8];                                   // w[j]: 16 rows x inputs 4j .. 4j + 3 of the block
-        if (KIND == Q8_0) {
+        if (byte_quants(KIND)) {
             for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
         } else {
             for (int j = 0; j < 4; ++j) {
@@ -129,15 +212,26 @@ void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + data_bytes(KIND))));
+        __m512 scale[2];                                // Q6_K: d * sc of each half block, exact
+        if (KIND == Q6_K)
+            for (int h = 0; h < 2; ++h)
+                scale[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 544 + 16 * h)))), d);
         for (int r = 0; r < NR; ++r) {
             const int64_t row = r0 + r;
             const int8_t* xq = a.q + row * a.in + b * QK;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(four_bytes(xq + 4 * j)));
-                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(four_bytes(xq + 4 * j + 4)));
+            __m512i half[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};   // inputs 0-15, 16-31
+            for (int j = 0; j < 4; ++j)
+                for (int h = 0; h < 2; ++h)
+                    half[h] = _mm512_dpbusd_epi32(half[h], w[4 * h + j], _mm512_set1_epi32(four_bytes(xq + 16 * h + 4 * j)));
+            if (KIND == Q6_K) {
+                for (int h = 0; h < 2; ++h) {
+                    const __m512i sh = _mm512_sub_epi32(half[h], _mm512_set1_epi32(offset_of(KIND) * a.sx16[row * 2 * a.nb + 2 * b + h]));
+                    acc[r] = _mm512_fmadd_ps(scale[h], _mm512_mul_ps(_mm512_cvtepi32_ps(sh), _mm512_set1_ps(a.dx[row * a.nb + b])), acc[r]);
+                }
+                continue;
             }
-            __m512i s = _mm512_add_epi32(s0, s1);
+            __m512i s = _mm512_add_epi32(half[0], half[1]);
             if (offset_of(KIND) != 0)
                 s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset_of(KIND) * a.sx[row * a.nb + b]));
             const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a.dx[row * a.nb + b]));
@@ -152,8 +246,8 @@ void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
     for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
 
-// AVX2: each half of a tile (8 rows) on its own; u8 x s8 pairs sum in int16 (maddubs), which Q4's
-// quants (<= 15) never saturate; Q8_0 goes signed (|w| x sign(x, w)), so its pairs stay <= 2 x 128 x 127.
+// AVX2: each half of a tile (8 rows) on its own; u8 x s8 pairs sum in int16 (maddubs), which Q4's and
+// Q6_K's quants (<= 63) never saturate; Q8_0 goes signed (|w| x sign(x, w)), so its pairs stay <= 2 x 128 x 127.
 template <int KIND, int NR>
 __attribute__((target("avx2,fma,f16c")))
 void tile_avx2(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE]) {
@@ -165,10 +259,12 @@ void tile_avx2(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
         for (int64_t b = 0; b < a.nb; ++b) {
             const uint8_t* blk = tile + b * block_stride(KIND);
             __m256i w[8];
-            for (int j = 0; j < (KIND == Q8_0 ? 8 : 4); ++j) {
+            for (int j = 0; j < (byte_quants(KIND) ? 8 : 4); ++j) {
                 const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
                 if (KIND == Q8_0) {
                     w[j] = _mm256_xor_si256(v, flip);              // the signed quant
+                } else if (KIND == Q6_K) {
+                    w[j] = v;
                 } else {
                     w[j] = _mm256_and_si256(v, low);
                     w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -176,17 +272,30 @@ void tile_avx2(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
             }
             const __m256 d = _mm256_cvtph_ps(
                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + data_bytes(KIND) + 16 * half)));
+            __m256 scale[2];
+            if (KIND == Q6_K)
+                for (int h = 0; h < 2; ++h)
+                    scale[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 544 + 16 * h + 8 * half)))), d);
             for (int r = 0; r < NR; ++r) {
                 const int64_t row = r0 + r;
                 const int8_t* xq = a.q + row * a.in + b * QK;
-                __m256i s = _mm256_setzero_si256();
+                __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};   // inputs 0-15, 16-31
                 for (int j = 0; j < 8; ++j) {
                     const __m256i x = _mm256_set1_epi32(four_bytes(xq + 4 * j));
                     const __m256i pairs = KIND == Q8_0
                         ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x, w[j]))
                         : _mm256_maddubs_epi16(w[j], x);
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(pairs, ones));
+                    sums[j / 4] = _mm256_add_epi32(sums[j / 4], _mm256_madd_epi16(pairs, ones));
                 }
+                if (KIND == Q6_K) {
+                    for (int h = 0; h < 2; ++h) {
+                        const __m256i sh = _mm256_sub_epi32(sums[h], _mm256_set1_epi32(offset_of(KIND) * a.sx16[row * 2 * a.nb + 2 * b + h]));
+                        acc[r] = _mm256_fmadd_ps(scale[h], _mm256_mul_ps(_mm256_cvtepi32_ps(sh), _mm256_set1_ps(a.dx[row * a.nb + b])), acc[r]);
+                    }
+                    continue;
+                }
+                __m256i s = _mm256_add_epi32(sums[0], sums[1]);
                 if (KIND == Q4_0)                               // Q8_0's sum is already signed
                     s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset_of(KIND) * a.sx[row * a.nb + b]));
                 const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.dx[row * a.nb + b]));
@@ -230,28 +339,49 @@ uint16_t to_bf16(float f) {
 
 extern "C" {
 
-// Bytes of the packed layout of an (out, in) matrix of `kind` (0 Q4_0, 1 Q4_1, 2 Q8_0).
+// Bytes of the packed layout of an (out, in) matrix of `kind` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q6_K).
 int64_t kvs_gguf_packed_bytes(int kind, int64_t out, int64_t in) {
     return (out + TILE - 1) / TILE * (in / QK) * block_stride(kind);
 }
 
-// The file's raw rows (out, in / 32 blocks in ggml's layout of `kind`) -> the packed layout (see the
-// top). Rows past `out` in the last tile are zero (scale 0).
+// The file's raw rows (out, in / source_weights blocks in ggml's layout of `kind`) -> the packed layout
+// (see the top). Rows past `out` in the last tile are zero (scale 0).
 void kvs_gguf_pack(int kind, const uint8_t* raw, int64_t out, int64_t in, uint8_t* packed) {
     const int64_t nb = in / QK, stride = block_stride(kind), tiles = (out + TILE - 1) / TILE;
-    const int64_t src_bytes = kind == Q8_0 ? 34 : kind == Q4_1 ? 20 : 18;
-    const int64_t first = kind == Q4_1 ? 4 : 2;                  // where a block's quants start
-    const int64_t quant_bytes = kind == Q8_0 ? 32 : 16;
+    const int64_t sources = in / source_weights(kind), blocks_per_source = source_weights(kind) / QK;
+    const int64_t first = kind == Q4_1 ? 4 : 2;                  // where a Q4 / Q8_0 block's quants start
     std::memset(packed, 0, static_cast<size_t>(tiles * nb * stride));
     for (int64_t o = 0; o < out; ++o) {
         const int64_t t = o / TILE, l = o % TILE;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* src = raw + (o * nb + b) * src_bytes;
-            uint8_t* blk = packed + (t * nb + b) * stride;
-            for (int64_t i = 0; i < quant_bytes; ++i)
-                blk[(i / 4) * 64 + l * 4 + i % 4] = kind == Q8_0 ? src[first + i] ^ 0x80 : src[first + i];
-            std::memcpy(blk + data_bytes(kind) + 2 * l, src, 2);                        // d
-            if (kind == Q4_1) std::memcpy(blk + data_bytes(kind) + 32 + 2 * l, src + 2, 2);   // m
+        for (int64_t sb = 0; sb < sources; ++sb) {
+            const uint8_t* src = raw + (o * sources + sb) * source_bytes(kind);
+            if (kind != Q6_K) {
+                uint8_t* blk = packed + (t * nb + sb) * stride;
+                for (int64_t i = 0; i < (kind == Q8_0 ? 32 : 16); ++i)
+                    blk[(i / 4) * 64 + l * 4 + i % 4] = kind == Q8_0 ? src[first + i] ^ 0x80 : src[first + i];
+                std::memcpy(blk + data_bytes(kind) + 2 * l, src, 2);                             // d
+                if (kind == Q4_1) std::memcpy(blk + data_bytes(kind) + 32 + 2 * l, src + 2, 2);    // m
+                continue;
+            }
+            // Q6_K {u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d}: each 128 weights' low nibbles in ql, high pairs in qh
+            uint8_t q[256];
+            for (int n = 0; n < 2; ++n) {
+                const uint8_t* ql = src + 64 * n;
+                const uint8_t* qh = src + 128 + 32 * n;
+                for (int i = 0; i < 32; ++i) {
+                    q[128 * n + i] = (ql[i] & 0x0F) | ((qh[i] & 3) << 4);
+                    q[128 * n + i + 32] = (ql[i + 32] & 0x0F) | (((qh[i] >> 2) & 3) << 4);
+                    q[128 * n + i + 64] = (ql[i] >> 4) | (((qh[i] >> 4) & 3) << 4);
+                    q[128 * n + i + 96] = (ql[i + 32] >> 4) | (((qh[i] >> 6) & 3) << 4);
+                }
+            }
+            for (int64_t bb = 0; bb < blocks_per_source; ++bb) {
+                uint8_t* blk = packed + (t * nb + sb * blocks_per_source + bb) * stride;
+                for (int64_t i = 0; i < QK; ++i) blk[(i / 4) * 64 + l * 4 + i % 4] = q[bb * QK + i];
+                std::memcpy(blk + 512 + 2 * l, src + 208, 2);                                  // d
+                blk[544 + l] = src[192 + 2 * bb];                                              // sc, inputs 0-15
+                blk[560 + l] = src[192 + 2 * bb + 1];                                          // sc, inputs 16-31
+            }
         }
     }
 }
@@ -263,7 +393,7 @@ void kvs_gguf_matmul(int kind, int level, const uint8_t* packed, int64_t out, in
     const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE, stride = block_stride(kind);
     std::vector<int8_t> q(static_cast<size_t>(rows * in));
     std::vector<float> dx(static_cast<size_t>(rows * nb)), sxd(dx.size());
-    std::vector<int32_t> sx(dx.size());
+    std::vector<int32_t> sx(dx.size()), sx16(2 * dx.size());
     const bool parallel = rows * in * out >= PARALLEL_MACS;
 #pragma omp parallel if (parallel)
     {
@@ -279,10 +409,11 @@ void kvs_gguf_matmul(int kind, int level, const uint8_t* packed, int64_t out, in
                 }
                 xr = wide.data();
             }
-            quantize_row(xr, in, q.data() + r * in, dx.data() + r * nb, sx.data() + r * nb, sxd.data() + r * nb);
+            quantize_row(level, xr, in, Quants{q.data() + r * in, dx.data() + r * nb, sx.data() + r * nb,
+                                               sx16.data() + 2 * r * nb, sxd.data() + r * nb});
         }
     }
-    const Acts acts{q.data(), dx.data(), sx.data(), sxd.data(), in, nb};
+    const Acts acts{q.data(), dx.data(), sx.data(), sx16.data(), sxd.data(), in, nb};
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t t = 0; t < tiles; ++t) {
         const uint8_t* tile = packed + t * nb * stride;
@@ -293,6 +424,7 @@ void kvs_gguf_matmul(int kind, int level, const uint8_t* packed, int64_t out, in
             switch (kind) {
                 case Q4_0: tile_rows<Q4_0>(level, tile, acts, r0, nr, acc); break;
                 case Q4_1: tile_rows<Q4_1>(level, tile, acts, r0, nr, acc); break;
+                case Q6_K: tile_rows<Q6_K>(level, tile, acts, r0, nr, acc); break;
                 default: tile_rows<Q8_0>(level, tile, acts, r0, nr, acc); break;
             }
             for (int r = 0; r < nr; ++r) {
