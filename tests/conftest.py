@@ -9,7 +9,14 @@ from kvstrata.core.config import EngineConfig, ModelConfig
 @pytest.fixture(scope="session")
 def smollm2():
     from kvstrata.model.loader import load_model
-    return load_model(ModelConfig(dtype="float32", device="cpu"))
+    return load_model(ModelConfig(dtype="float32", device="cpu", quantization="none"))   # widened: the fp32 reference
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """What `make serve` and `LLM()` load: the embedded SmolLM2 at its GGUF's own bits, bf16 where the CPU has it."""
+    from kvstrata.model.loader import load_model
+    return load_model(ModelConfig())
 
 
 @pytest.fixture(scope="session")
@@ -30,10 +37,11 @@ def lora_adapters(smollm2, tmp_path_factory):
 
 @pytest.fixture
 def make_engine(smollm2):
-    """LLMEngine factory on the shared SmolLM2 weights; every step is audited."""
+    """LLMEngine factory on the shared SmolLM2 weights (or `loaded`); every step is audited."""
     from kvstrata.engine.llm_engine import LLMEngine
 
-    def build(faults=None, **options):
+    def build(faults=None, loaded=None, **options):
         options.setdefault("kv_cache_memory", "64MiB")
-        return LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=smollm2, faults=faults)
+        return LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded or smollm2,
+                         faults=faults)
     return build

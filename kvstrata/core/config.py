@@ -20,7 +20,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 LOAD_FORMATS = ("auto", "dummy")
 POLICIES = ("fcfs", "priority", "lpm")
 WRITE_POLICIES = ("write_back", "write_through")
@@ -81,10 +81,12 @@ class ModelConfig:
     dtype: str = _opt("auto", "weight and KV dtype; auto picks the faster one for the device", DTYPES)
     device: str = _opt("auto", "where the model runs; auto takes CUDA when present", DEVICES)
     threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
-    quantization: str = _opt("none", "weights of the linear layers: none (the dtype's own), int8 "
-                                     "(CPU only: int8 weights, activations quantized per call) or gguf "
-                                     "(CPU only: a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices at their own bits, "
-                                     "other types widened to the dtype with a warning)", QUANTIZATIONS)
+    quantization: str = _opt("auto", "weights of the linear layers: auto (a GGUF file's own bits where "
+                                     "kvstrata's kernel runs them: on CPU, without --compile; else none), none "
+                                     "(the dtype's own), int8 (CPU only: int8 weights, activations quantized per "
+                                     "call) or gguf (CPU only: a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q6_K matrices at "
+                                     "their own bits, other types widened to the dtype with a warning)",
+                             QUANTIZATIONS)
     compile: bool = _opt(False, "torch.compile the decoder layers around attention at load (fewer ops per "
                                 "step; the first start compiles for about a minute, later ones read the cache)")
     batch_invariant: bool = _opt(False, "a bf16/fp16 model's greedy outputs independent of batching and "

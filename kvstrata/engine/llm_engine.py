@@ -89,7 +89,8 @@ class LLMEngine:
                  faults: FaultInjector | None = None):
         config.validate()
         if loaded is None:
-            check_memory(plan_load(config.model), config.cache, config.model.quantization)   # before any allocation
+            plan = plan_load(config.model)
+            check_memory(plan, config.cache, plan.quantization)   # before any allocation
             loaded = load_model(config.model)
         self.loaded = loaded
         # The one value of the config learned from the model: a new (frozen) config, never a mutation.

@@ -189,6 +189,10 @@ class LlamaModel(nn.Module):
                      "gate_up": [mlp + "gate_proj.weight", mlp + "up_proj.weight"], "down": [mlp + "down_proj.weight"]}
             layer.projections = {name: own_bits(layer.projections[name], names) for name, names in parts.items()}
         self.head = own_bits(self.head, ["lm_head.weight" if self.lm_head is not None else "model.embed_tokens.weight"])
+        # The kernel quantizes activations to int8, which turns a last-bit difference into another quant:
+        # attention must sum in an order set by the row alone, as for int8 ("Exact attention" in
+        # kvstrata.model.attention), and a 16-bit widened projection pads a lone row (`pack_projections`).
+        self.attn.compute_dtype = torch.float64
         return left
 
     def pack_projections(self) -> None:
@@ -196,7 +200,7 @@ class LlamaModel(nn.Module):
         kept at a GGUF's bits stay as they are), and drop the layers' float weights (the head of a tied model packs a copy: the embeddings stay)."""
         if not can_pack(self.embed_tokens):
             return
-        rows = 2 if self.exact_sums else 1          # see PackedLinear.__call__
+        rows = 2 if self.attn.compute_dtype is not None and self.dtype.itemsize < 4 else 1   # see PackedLinear.__call__
         pack = lambda p: PackedLinear.from_dense(p, rows) if isinstance(p, DenseLinear) else p  # noqa: E731
         for layer in self.layers:
             layer.projections = {name: pack(p) for name, p in layer.projections.items()}

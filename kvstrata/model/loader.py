@@ -146,35 +146,54 @@ class LoadPlan:
     device: torch.device
     dtype: torch.dtype
     footprint: WeightFootprint
+    quantization: str                   # never "auto": what --quantization auto came to
 
 
 def plan_load(config: ModelConfig) -> LoadPlan:
     """The model `config` names, without loading it (a GGUF file is converted, once); ValueError for
     anything the user can fix. The engine checks the memory it needs with it (kvstrata.worker.memory_check)."""
     config.validate()
+    quantization = resolve_quantization(config)
     # int8 and GGUF-bits kernels are CPU kernels: 'auto' takes the CPU for them even where CUDA is present.
-    cpu_only = config.quantization in ("int8", "gguf")
+    cpu_only = quantization in ("int8", "gguf")
     device = resolve_device("cpu" if cpu_only and config.device == "auto" else config.device)
     if cpu_only and device.type != "cpu":
-        raise ValueError(f"--quantization {config.quantization} runs on CPU only, not on {device}")
-    if config.quantization == "gguf" and config.load_format == "dummy":
+        raise ValueError(f"--quantization {quantization} runs on CPU only, not on {device}")
+    if quantization == "gguf" and config.load_format == "dummy":
         raise ValueError("--quantization gguf serves a GGUF file's own blocks; dummy weights have none")
-    if config.quantization == "gguf" and kernels.gguf_matmul() is None:
+    if quantization == "gguf" and config.compile:
+        raise ValueError("--quantization gguf runs kvstrata's GGUF kernel, which --compile cannot trace; drop "
+                         "--compile, or widen the file with --quantization none")
+    if quantization == "gguf" and kernels.gguf_matmul() is None:
         raise ValueError("--quantization gguf needs kvstrata's GGUF kernel, which could not be built here (a C++ "
                          "compiler on PATH, KVSTRATA_KERNELS not 0; see the warning above); use --quantization none")
-    dtype = resolve_dtype(config.dtype, device, config.quantization)
+    dtype = resolve_dtype(config.dtype, device, quantization)
     if config.load_format == "dummy":
         arch = dummy.dummy_source(config.model).arch
     else:
         arch = arch_from_hf_config(json.loads((_model_folder(config.model)[0] / "config.json").read_text()))
-    return LoadPlan(arch, device, dtype, weight_footprint(arch, dtype, config.quantization, device))
+    return LoadPlan(arch, device, dtype, weight_footprint(arch, dtype, quantization, device), quantization)
+
+
+def resolve_quantization(config: ModelConfig) -> str:
+    """--quantization auto: a GGUF file at its own bits, as llama.cpp serves it (a decode step reads a
+    quarter to a half of bf16's bytes, and the kernel is as fast as oneDNN's bf16 GEMM at a batch too:
+    docs/design/model.md), where that can run: weights from the file, on the CPU, without --compile,
+    with the kernel built. Anything else: none."""
+    if config.quantization != "auto":
+        return config.quantization
+    path = Path(config.model).expanduser() if config.model else default_model_path()
+    own_bits = (config.load_format != "dummy" and path.is_file() and path.suffix == ".gguf" and not config.compile
+                and config.device != "cuda" and not (config.device == "auto" and torch.cuda.is_available())
+                and kernels.gguf_matmul() is not None)
+    return "gguf" if own_bits else "none"
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load weights, tokenizer and chat template; ValueError for anything the user can fix."""
     start = time.perf_counter()
     plan = plan_load(config)
-    device, dtype = plan.device, plan.dtype
+    device, dtype, quantization = plan.device, plan.dtype, plan.quantization
     if config.threads:
         torch.set_num_threads(config.threads)
     tokenizer_folder = _tokenizer_folder(config.tokenizer) if config.tokenizer else None
@@ -192,14 +211,14 @@ def load_model(config: ModelConfig) -> LoadedModel:
             tensors.update(safetensors.torch.load_file(f))     # memory-mapped on CPU
         tokenizer_folder = tokenizer_folder or folder
     loaded = _build(hf_config, tensors, folder, tokenizer_folder, name, weight_ids, dtype, device,
-                    config.quantization, exact_sums=config.batch_invariant and dtype.itemsize < 4,
+                    quantization, exact_sums=config.batch_invariant and dtype.itemsize < 4,
                     traceable=config.compile)
     if config.compile:
         compile_layers(loaded.model)
-    elif config.quantization in ("none", "gguf"):
+    elif quantization in ("none", "gguf"):
         loaded.model.pack_projections()      # dynamo cannot trace oneDNN's packed weights: not with --compile
     logger.info("loaded %s (%d layers, %s, quantization %s, %s%s) in %.2fs", name, loaded.arch.num_layers,
-                str(dtype).removeprefix("torch."), config.quantization, device,
+                str(dtype).removeprefix("torch."), quantization, device,
                 ", dummy weights" if config.load_format == "dummy" else "", time.perf_counter() - start)
     return loaded
 
@@ -263,7 +282,7 @@ def _build(hf_config: dict, tensors: Any, folder: Path | None, tokenizer_folder:
     # an engine without the kernel (no compiler) must not serve a kernel engine's KV, or the reverse,
     # nor one kernel revision another's.
     # (It reads any power-of-two block size, so 16 stands for all of them.)
-    if (exact_sums or quantization == "int8") and model.attn.reads_in_place(16, dtype, device):
+    if (exact_sums or quantization in ("int8", "gguf")) and model.attn.reads_in_place(16, dtype, device):
         identity["attention"] = f"paged-kernel-{kernels.REVISION}"
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     if quantization == "gguf":

@@ -20,8 +20,8 @@ def example(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def base(smollm2):
-    with running_server(smollm2) as (url, _):
+def base(default_model):
+    with running_server(default_model) as (url, _):
         yield url
 
 

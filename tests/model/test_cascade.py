@@ -9,6 +9,7 @@ those with caching off (no block is shared, so no group can form)."""
 from __future__ import annotations
 
 import copy
+import functools
 import random
 from dataclasses import dataclass
 
@@ -236,12 +237,17 @@ QUESTIONS = ["Question: how long is the river?", "Question: name a city on it.",
              "Question: where does it rise?", "Question: which way does it flow?", "Q: say hello."]
 
 
+@pytest.mark.parametrize("weights", ["float32", "gguf"])
 @pytest.mark.parametrize("options", [dict(), dict(block_size=8, max_num_batched_tokens=64)],
                          ids=["default", "small-blocks-chunked"])
-def test_engine_greedy_outputs_identical_with_shared_prefixes(make_engine, monkeypatch, options):
+def test_engine_greedy_outputs_identical_with_shared_prefixes(make_engine, default_model, monkeypatch, options, weights):
     """Caching on: the warm-up puts the background in the cache, the six requests then hold its
     blocks and decode in groups (formed whatever they save: a prefix this short would not pay on
-    its own). Caching off: no block is shared, so no group forms. Same tokens."""
+    its own). Caching off: no block is shared, so no group forms. Same tokens. For float32 weights
+    and for the default model at its GGUF's bits (int8 activation blocks: a last bit that differs
+    between paths becomes another quant, which is why its attention sums by the row alone)."""
+    if weights == "gguf":
+        make_engine = functools.partial(make_engine, loaded=default_model)
     import kvstrata.worker.runner as runner_module
 
     formed: list[DecodeGroup] = []

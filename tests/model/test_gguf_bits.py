@@ -132,7 +132,7 @@ def quantized_gguf(tmp_path):
 def test_a_gguf_is_served_at_its_own_bits_and_other_types_widened_with_a_warning(quantized_gguf, caplog):
     with caplog.at_level(logging.WARNING, logger="kvstrata.model.loader"):
         own = load_model(ModelConfig(model=str(quantized_gguf), quantization="gguf", dtype="float32"))
-    widened = load_model(ModelConfig(model=str(quantized_gguf), dtype="float32"))
+    widened = load_model(ModelConfig(model=str(quantized_gguf), quantization="none", dtype="float32"))
     layer = own.model.layers[0].projections
     assert all(isinstance(layer[name], GGUFLinear) for name in ("qkv", "o", "gate_up"))
     assert layer["o"].kind == "Q4_1" and layer["qkv"].kind == "Q4_0" and own.model.head.kind == "Q8_0"

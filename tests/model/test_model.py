@@ -171,6 +171,13 @@ def test_smollm2_greedy_answer_names_paris(smollm2):
     assert "Paris" in answer, answer
 
 
+def test_the_default_model_at_its_gguf_bits_names_paris_when_asked_for_a_sentence(default_model):
+    """What `make serve` loads: the shipped Q4_1 file at its own bits (the README's question)."""
+    assert default_model.quantization == "gguf"
+    answer = greedy_chat(default_model, "What is the capital of France? Answer in one sentence.")
+    assert "Paris" in answer, answer
+
+
 @pytest.mark.skipif(not can_pack(torch.empty(0)), reason="this torch has no oneDNN")
 @pytest.mark.parametrize("rows", [1, 3, 16, 40, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

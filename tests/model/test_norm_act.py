@@ -81,7 +81,7 @@ def test_a_bf16_model_uses_them_except_exact_or_compiled(fused):
     are theirs); float32 and --batch-invariant keep torch's ops (so does --compile: the loader does not ask);
     logits stay within bf16's noise of the ops' and greedy tokens equal."""
     def load(**options):
-        return load_model(ModelConfig(device="cpu", **options))
+        return load_model(ModelConfig(device="cpu", quantization="none", **options))   # the float path under test
 
     plain = load(dtype="bfloat16")
     assert plain.model.norm_act is fused and all(layer.norm_act is fused for layer in plain.model.layers)

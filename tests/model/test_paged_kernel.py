@@ -169,7 +169,7 @@ def test_exact_attention_in_the_kernel_enters_the_fingerprint(kernel, monkeypatc
     from kvstrata.model.loader import load_model
 
     def fingerprints():
-        return [load_model(ModelConfig(dtype="bfloat16", device="cpu", batch_invariant=exact)).fingerprint
+        return [load_model(ModelConfig(dtype="bfloat16", device="cpu", quantization="none", batch_invariant=exact)).fingerprint
                 for exact in (True, False)]
 
     with_kernel = fingerprints()
