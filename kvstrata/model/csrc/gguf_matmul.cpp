@@ -33,7 +33,7 @@ namespace {
 constexpr int64_t TILE = 16;                   // output rows per tile
 constexpr int64_t QK = 32;                     // weights per block
 constexpr int R = 4;                           // activation rows per pass over a tile's weights
-constexpr int64_t PARALLEL_MACS = 1 << 20;     // fewer multiply-adds than this: one thread
+constexpr int64_t PARALLEL_MACS = 1 << 18;     // fewer multiply-adds than this: one thread
 
 enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3 };
 
