@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from kvstrata.bench.roofline import memory_read_bandwidth
 from kvstrata.core.config import ModelConfig
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
@@ -107,6 +108,54 @@ def profile_step(name: str, model, batch, kv) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
+class Timed:
+    """A callable that adds its wall time to `totals[kind]` (the breakdown's projections and attention)."""
+
+    def __init__(self, call, kind: str, totals: dict[str, float]) -> None:
+        self.call, self.kind, self.totals = call, kind, totals
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.call(*args, **kwargs)
+        self.totals[self.kind] += time.perf_counter() - start
+        return out
+
+    def __getattr__(self, name: str):          # the rest of the wrapped object (attention's plan)
+        return getattr(self.call, name)
+
+
+def breakdown_step(model, batch, kv, repeat: int) -> dict[str, float]:
+    """Seconds of the fastest of `repeat` steps: whole, in projections and the head, in attention, the rest."""
+    totals = {"weights": 0.0, "attention": 0.0}
+    layers, head, attn = model.layers, model.head, model.attn
+    saved = [dict(layer.projections) for layer in layers]
+    for layer in layers:
+        layer.projections = {name: Timed(p, "weights", totals) for name, p in layer.projections.items()}
+    model.head, model.attn = Timed(head, "weights", totals), Timed(attn, "attention", totals)
+    try:
+        best = None
+        for index in range(repeat + 3):
+            totals.update(weights=0.0, attention=0.0)
+            start = time.perf_counter()
+            model(batch, kv)
+            step = {"step": time.perf_counter() - start, **totals}
+            if index >= 3 and (best is None or step["step"] < best["step"]):
+                best = step
+    finally:
+        for layer, projections in zip(layers, saved):
+            layer.projections = projections
+        model.head, model.attn = head, attn
+    return {**best, "rest": best["step"] - best["weights"] - best["attention"]}
+
+
+def print_breakdown(name: str, parts: dict[str, float], weight_bytes: int, bandwidth: float) -> None:
+    step = parts["step"]
+    print(f"  {name:>9}  breakdown of a timed step {step * 1e3:.2f} ms: weights {parts['weights'] * 1e3:.2f} ms "
+          f"({weight_bytes / parts['weights'] / 1e9:.1f} GB/s, {weight_bytes / parts['weights'] / bandwidth:.0%} of "
+          f"{bandwidth / 1e9:.1f} measured), attention {parts['attention'] * 1e3:.2f} ms, "
+          f"everything else {parts['rest'] * 1e3:.2f} ms ({parts['rest'] / step:.0%})")
+
+
 def time_step(model, batch, kv, repeat: int) -> tuple[float, float]:
     """(fastest, median) seconds of one step."""
     for _ in range(3):
@@ -156,6 +205,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time each model with --compile")
     parser.add_argument("--hf", action="store_true", help="also time transformers' decode step")
     parser.add_argument("--batch-invariant", action="store_true", help="load the models with --batch-invariant")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="split each decode step: projections (weights read), attention, everything else")
     parser.add_argument("--json", type=Path, default=None, help="also write every timing here (make bench's host probe)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -184,6 +235,9 @@ def main() -> None:
                                                   args.group_cost_tokens, args.in_order), b)
             for b in args.batches]
     runs += [(f"prefill {n:4d} tokens", prefill_batch(n, num_blocks, gen), n) for n in args.prefills]
+    bandwidth = memory_read_bandwidth() if args.breakdown else 0.0
+    if args.breakdown:
+        print(f"memory read bandwidth measured: {bandwidth / 1e9:.1f} GB/s")
     timings = []
     for label, batch, tokens in runs:
         print(f"\n{label}")
@@ -195,6 +249,10 @@ def main() -> None:
             print(f"  {name:>9}: {seconds * 1e3:7.1f} ms (median {median * 1e3:7.1f})  "
                   f"{tokens / seconds:6.0f} tok/s  weights {weight_bytes / seconds / 1e9:5.1f} GB/s  "
                   f"KV read {kv_read / 1e6:5.0f} MB")
+            if args.breakdown and batch.num_decodes:
+                parts = breakdown_step(model, batch, kv, args.repeat)
+                timings[-1]["breakdown_ms"] = {part: value * 1e3 for part, value in parts.items()}
+                print_breakdown(name, parts, weight_bytes, bandwidth)
             if args.profile:
                 profile_step(name, model, batch, kv)
         if args.hf and batch.num_decodes:
