@@ -152,6 +152,8 @@ async def completions(body: CompletionRequest, request: Request):
         raise ApiError(400, "prompt must not be empty", param="prompt")
     if len(prompts) * (body.n or 1) > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts times n)", param="prompt")
+    if any(not 0 <= t < state.vocab_size for p in prompts if not isinstance(p, str) for t in p):
+        raise ApiError(400, f"token ids must be in [0, {state.vocab_size})", param="prompt")     # before echo decodes them
     echoes = [(p if isinstance(p, str) else state.prompts.decode(p)) if body.echo else "" for p in prompts]
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     transfer = transfer_of(state, body, len(prompts))

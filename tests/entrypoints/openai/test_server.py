@@ -121,6 +121,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": [[5, 6], [10**7]]}, 400, "invalid_request_error", "token ids must be in"),
     ("/v1/completions", {"prompt": ["a", [5]]}, 400, "invalid_request_error", "prompt"),
     ("/v1/completions", {"prompt": [10**7]}, 400, "invalid_request_error", "token ids must be in"),
+    ("/v1/completions", {"prompt": [-1], "echo": True}, 400, "invalid_request_error", "token ids must be in"),
     ("/v1/completions", {"prompt": "word " * 9000}, 400, "invalid_request_error", "at most"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "invalid_request_error", "stop"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
