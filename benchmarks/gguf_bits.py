@@ -34,9 +34,6 @@ import servers
 from real_shapes import VENVS, run
 
 logger = logging.getLogger("gguf_bits")
-ENGINES = ("kvstrata-gguf", "kvstrata-bf16", "llamacpp")
-
-
 def jobs(gguf: Path, prompts: Path, patience: float, hf_folder: str | None) -> dict[str, list[str]]:
     """Each engine's command; vLLM's where `hf_folder` is given (the same model in HF form)."""
     common = ["--prompts", str(prompts), "--threads", str(servers.THREADS), "--patience", str(patience)]

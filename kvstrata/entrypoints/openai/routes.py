@@ -108,12 +108,17 @@ async def tokenize(request: Request, body: TokenizeRequest):
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
 
+def check_token_ids(state: ServerState, prompts: list[list[int]], param: str) -> None:
+    """A 400 for an id outside the vocabulary, before anything decodes it (the engine checks again at admission)."""
+    if any(not 0 <= t < state.vocab_size for ids in prompts for t in ids):
+        raise ApiError(400, f"token ids must be in [0, {state.vocab_size})", param=param)
+
+
 @router.post("/detokenize")
 async def detokenize(request: Request, body: DetokenizeRequest):
     state = _state(request)
     check_model(state, body.model)
-    if any(not 0 <= t < state.vocab_size for t in body.tokens):
-        raise ApiError(400, f"token ids must be in [0, {state.vocab_size})", param="tokens")
+    check_token_ids(state, [body.tokens], "tokens")
     return {"prompt": state.prompts.decode(body.tokens)}
 
 
@@ -152,8 +157,7 @@ async def completions(body: CompletionRequest, request: Request):
         raise ApiError(400, "prompt must not be empty", param="prompt")
     if len(prompts) * (body.n or 1) > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts times n)", param="prompt")
-    if any(not 0 <= t < state.vocab_size for p in prompts if not isinstance(p, str) for t in p):
-        raise ApiError(400, f"token ids must be in [0, {state.vocab_size})", param="prompt")     # before echo decodes them
+    check_token_ids(state, [p for p in prompts if not isinstance(p, str)], "prompt")    # before echo decodes them
     echoes = [(p if isinstance(p, str) else state.prompts.decode(p)) if body.echo else "" for p in prompts]
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     transfer = transfer_of(state, body, len(prompts))
