@@ -31,6 +31,7 @@ its start and end: the host probe in BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -125,26 +126,45 @@ class Timed:
 
 
 def breakdown_step(model, batch, kv, repeat: int) -> dict[str, float]:
-    """Seconds of the fastest of `repeat` steps: whole, in projections and the head, in attention, the rest."""
+    """Seconds of the fastest of `repeat` steps: whole, in projections and the head, in attention (with RoPE and
+    the K/V write where one call does all three), the rest. The fused layers' parts come from their own clock."""
     totals = {"weights": 0.0, "attention": 0.0}
     layers, head, attn = model.layers, model.head, model.attn
     saved = [dict(layer.projections) for layer in layers]
     for layer in layers:
         layer.projections = {name: Timed(p, "weights", totals) for name, p in layer.projections.items()}
     model.head, model.attn = Timed(head, "weights", totals), Timed(attn, "attention", totals)
+    # the fused path (LlamaModel._rotated_buffers): RoPE with the K/V write, then the kernel's attention
+    attn.attend_rotated = Timed(attn.attend_rotated, "attention", totals)
+    norm_act = model.norm_act
+    if norm_act is not None:
+        norm_act.rope_store = Timed(norm_act.rope_store, "attention", totals)
+    fused = model.fused            # the layers in one C++ call (kvstrata.model.fused_layers): its own clock
+    if fused is not None:
+        fused.seconds = (ctypes.c_double * 3)()
     try:
         best = None
         for index in range(repeat + 3):
             totals.update(weights=0.0, attention=0.0)
+            if fused is not None:
+                ctypes.memset(fused.seconds, 0, ctypes.sizeof(fused.seconds))
             start = time.perf_counter()
             model(batch, kv)
             step = {"step": time.perf_counter() - start, **totals}
+            if fused is not None:
+                step["weights"] += fused.seconds[0]
+                step["attention"] += fused.seconds[1]
             if index >= 3 and (best is None or step["step"] < best["step"]):
                 best = step
     finally:
         for layer, projections in zip(layers, saved):
             layer.projections = projections
         model.head, model.attn = head, attn
+        del attn.attend_rotated
+        if norm_act is not None:
+            del norm_act.rope_store
+        if fused is not None:
+            fused.seconds = None
     return {**best, "rest": best["step"] - best["weights"] - best["attention"]}
 
 

@@ -125,6 +125,12 @@ class AttentionPlan:
                                               # group's prefix); they leave `own` empty
     rows: KernelRows | None                   # every prefill chunk, when the kernel reads this cache
 
+    @property
+    def kernel_only(self) -> bool:
+        """Whether the paged kernel attends every row, with no prefix to merge: its float32 queries are all
+        attention needs (`PagedAttention.attend_rotated`)."""
+        return not (self.grouped or self.prefills or (self.num_decodes and self.in_place is None))
+
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
@@ -295,6 +301,24 @@ class PagedAttention:
                                                    enable_gqa=g > 1)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1).reshape(n, h * d)   # (n, H * D)
         return out
+
+    def attend_rotated(self, qf: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, o: torch.Tensor,
+                       lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`__call__` for a `kernel_only` plan whose queries came rotated and widened, qf (T, KVH, G, D) float32,
+        their K/V already in the cache (`NormAct.rope_store`): (T, H * D) in `dtype`, the same bits. o like
+        qf and lse (T, KVH, G) are the kernels' outputs, reused by every layer of a step."""
+        assert plan.kernel_only and qf.shape == o.shape and qf.shape[:3] == lse.shape
+        t, scale = qf.shape[0], self.head_dim ** -0.5
+        rows = lambda x, start, end: x if (start, end) == (0, t) else x[start:end]   # noqa: E731 (no op for a whole step)
+        if plan.in_place is not None:
+            c = plan.in_place
+            self.kernel(rows(qf, c.start, c.end), kv_layer, c.tables, c.first, c.lens, scale, rows(o, c.start, c.end),
+                        rows(lse, c.start, c.end))
+        if plan.rows is not None:
+            r = plan.rows
+            self.kernel.rows(rows(qf, r.start, r.end), kv_layer, r.tables, r.starts, r.lens, scale,
+                             rows(o, r.start, r.end), rows(lse, r.start, r.end))
+        return o.view(t, -1).to(dtype)
 
     def _decodes(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, out: torch.Tensor) -> None:
         """Attention of the decode rows of q (T, H, D) into out (T, H * D): grouped rows by hand (own

@@ -1,9 +1,10 @@
 """Our C++ kernels (kvstrata/model/csrc): built with the system C++ compiler at first use, cached, loaded with ctypes.
 
-Four libraries: paged attention (`paged_decode()`), bf16 RMSNorm and SiLU-and-multiply
-(`norm_act()`, which a decode step calls ~90 times where torch would dispatch ~700 ops), the LoRA
+Five libraries: paged attention (`paged_decode()`), bf16 RMSNorm, SiLU-and-multiply and RoPE with the
+K/V write (`norm_act()`, which a decode step calls ~120 times in place of ~1,200 torch ops), the LoRA
 updates of a projection for all of a step's adapters at once (`lora_apply()`, kvstrata.model.lora), and
-a GGUF's matrices at their own bits (`gguf_matmul()`, kvstrata.model.gguf_bits).
+a GGUF's matrices at their own bits (`gguf_matmul()`, kvstrata.model.gguf_bits), and a step's decoder layers
+calling the others from C++ (`decoder_layers()`, kvstrata.model.fused_layers).
 
 Why a plain shared library and not a torch extension: it needs no torch headers and loads without
 a build system. It takes raw pointers, so
@@ -42,6 +43,7 @@ SOURCE = CSRC / "paged_attention.cpp"
 NORM_ACT_SOURCE = CSRC / "norm_act.cpp"
 LORA_SOURCE = CSRC / "lora.cpp"
 GGUF_SOURCE = CSRC / "gguf_matmul.cpp"
+DECODER_LAYERS_SOURCE = CSRC / "decoder_layers.cpp"
 HEADERS = [CSRC / "vec16.h"]       # included by both sources: part of every build's tag
 # Bumped whenever a change to the source moves any bit of its results: exact engines' model
 # fingerprints carry it, so they never load KV that an older kernel computed (kvstrata.model.loader).
@@ -58,6 +60,7 @@ class PagedDecode:
     a row gets the same bits from either."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn = lib.kvs_paged_decode
         self._fn.restype = None
@@ -117,9 +120,11 @@ def _check(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, out: t
 
 
 class NormAct:
-    """`kvs_rms_norm` and `kvs_silu_mul` (csrc/norm_act.cpp): bf16 rows on the CPU, as wide as `takes` says."""
+    """`kvs_rms_norm`, `kvs_silu_mul` and `kvs_rope_store` (csrc/norm_act.cpp): bf16 rows on the CPU, as wide
+    as `takes` says."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._norm = lib.kvs_rms_norm
         self._norm.restype = None
@@ -127,6 +132,11 @@ class NormAct:
         self._silu_mul = lib.kvs_silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [ptr, ptr, i64, i64]
+        self._rope = lib.kvs_rope_store
+        self._rope.restype = None
+        self._rope.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr]
+        lib.kvs_rope_max_head_dim.restype = i64
+        self.rope_max_head_dim = lib.kvs_rope_max_head_dim()
 
     @staticmethod
     def takes(dtype: torch.dtype, device: torch.device, *widths: int) -> bool:
@@ -139,6 +149,24 @@ class NormAct:
         out = torch.empty_like(x)
         self._norm(x.data_ptr(), x.shape[1], weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                   kv_layer: torch.Tensor, q: torch.Tensor) -> None:
+        """A layer's attention inputs in one call, the bits of `apply_rotary` and `PagedKVCache.write`: qkv (T,
+        (H + 2 KVH) D) with unit column stride, cos and sin (T, 1, D) (`RotaryTables.lookup`) in its dtype;
+        RoPE'd queries into q (T, KVH, G, D) float32 (the paged kernel's, widened from the model dtype), RoPE'd
+        keys and the values into kv_layer (2, KVH, N, bs, D) at the flat slots (T,)."""
+        t, kvh, g, d = q.shape
+        heads = kvh * g
+        two, kvh_, n, bs, d_kv = kv_layer.shape
+        assert (two, kvh_, d_kv) == (2, kvh, d) and d % 2 == 0 and d <= self.rope_max_head_dim
+        assert qkv.dtype == cos.dtype == sin.dtype == kv_layer.dtype and qkv.dtype in (torch.float32, torch.bfloat16)
+        assert qkv.shape == (t, (heads + 2 * kvh) * d) and qkv.stride(1) == 1 and kv_layer.is_contiguous()
+        assert cos.shape == sin.shape == (t, 1, d) and cos.is_contiguous() and sin.is_contiguous()
+        assert q.dtype == torch.float32 and q.is_contiguous() and slots.dtype == torch.int64 and slots.shape == (t,)
+        assert slots.is_contiguous() and cos.device.type == "cpu"
+        self._rope(qkv.data_ptr(), qkv.stride(0), int(qkv.dtype == torch.bfloat16), cos.data_ptr(), sin.data_ptr(),
+                   slots.data_ptr(), t, heads, kvh, d, kv_layer.data_ptr(), n * bs, q.data_ptr())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up (T, 2 I) bf16, contiguous -> SiLU(gate) * up (T, I) bf16."""
@@ -181,6 +209,7 @@ class GGUFMatmul:
     KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q6_K": 3}
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._bytes = lib.kvs_gguf_packed_bytes
         self._bytes.restype = i64
@@ -235,6 +264,29 @@ def gguf_matmul() -> GGUFMatmul | None:
     return None if lib is None else GGUFMatmul(lib)
 
 
+@cache
+def decoder_layers() -> ctypes._CFuncPtr | None:
+    """`kvs_decoder_layers` (csrc/decoder_layers.cpp, driven by kvstrata.model.fused_layers), built if need be;
+    None when it cannot be had here."""
+    lib = _load(DECODER_LAYERS_SOURCE, "decoder-layers kernel unavailable (%s); a step's layers loop in Python")
+    if lib is None:
+        return None
+    fn = lib.kvs_decoder_layers
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def function_address(name: str) -> int:
+    """The address of one of the other libraries' entry points, for `kvs_decoder_layers` to call: rms_norm,
+    silu_mul, rope_store, gguf_matmul, paged_decode or paged_rows (each library must have loaded)."""
+    owners = {"rms_norm": norm_act, "silu_mul": norm_act, "rope_store": norm_act, "gguf_matmul": gguf_matmul,
+              "paged_decode": paged_decode, "paged_rows": paged_decode}
+    kernel = owners[name]()
+    assert kernel is not None, f"the library holding kvs_{name} is unavailable"
+    return ctypes.cast(getattr(kernel.lib, f"kvs_{name}"), ctypes.c_void_p).value
+
+
 def _load(source: Path, unavailable: str) -> ctypes.CDLL | None:
     """`source` built and loaded; None, with `unavailable` logged, when it cannot be (or KVSTRATA_KERNELS=0)."""
     if os.environ.get("KVSTRATA_KERNELS", "1") == "0":
@@ -276,7 +328,8 @@ def _build(source: Path) -> Path:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = {source: kernel() is not None for source, kernel in ((SOURCE, paged_decode), (NORM_ACT_SOURCE, norm_act),
-                                                                 (LORA_SOURCE, lora_apply), (GGUF_SOURCE, gguf_matmul))}
+                                                                 (LORA_SOURCE, lora_apply), (GGUF_SOURCE, gguf_matmul),
+                                                                 (DECODER_LAYERS_SOURCE, decoder_layers))}
     for source, ok in built.items():
         print(f"{source.stem}: {_build(source) if ok else 'unavailable (KVSTRATA_KERNELS=0, or see above)'}")
     raise SystemExit(0 if all(built.values()) else 1)

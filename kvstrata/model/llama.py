@@ -12,7 +12,8 @@ reads all its weights for a handful of rows.
 Once loaded, each projection is a callable `proj(x)` (`DenseLinear` in the model dtype); then
 either `pack_projections` hands them to oneDNN (float models on CPU) or `kvstrata.model.quantize`
 swaps them for int8 ones; both drop the layers' float weights. `keep_gguf_bits` first swaps those a
-GGUF file keeps in 4 or 8 bits for its own blocks (`kvstrata.model.gguf_bits`).
+GGUF file keeps in 4 or 8 bits for its own blocks (`kvstrata.model.gguf_bits`); when every projection
+is at its bits, `fuse_layers` runs a step's layers in one C++ call (`kvstrata.model.fused_layers`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from torch import nn
 
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.arch import ModelArch
-from kvstrata.model.attention import PagedAttention
+from kvstrata.model.attention import AttentionPlan, PagedAttention
 from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.fused_layers import FusedLayers, fused_layers
 from kvstrata.model.gguf_bits import GGUFBlocks
 from kvstrata.model.kernels import NormAct, norm_act
 from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
@@ -86,14 +88,18 @@ class DecoderLayer(nn.Module):
         y = self.projections[name](x)
         return y if lora is None else lora.apply(self.index, name, x, y)
 
+    def qkv_rows(self, h: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """h (T, E) -> RMSNorm, fused QKV (T, (H + 2 KVH) D), before RoPE."""
+        x = rms_norm(h, self.input_norm, self.arch.rms_norm_eps, self.norm_stat_dtype, self.norm_act)    # (T, E)
+        return self.project("qkv", x, lora)
+
     def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoRABatch | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (T, E) -> q (T, H, D), k and v (T, KVH, D): RMSNorm, fused QKV, RoPE on q and k."""
         a = self.arch
         t = h.shape[0]
         nh, nkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        x = rms_norm(h, self.input_norm, a.rms_norm_eps, self.norm_stat_dtype, self.norm_act)    # (T, E)
-        qkv = self.project("qkv", x, lora)                                        # (T, (H + 2 KVH) D)
+        qkv = self.qkv_rows(h, lora)                                              # (T, (H + 2 KVH) D)
         qk = apply_rotary(qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # (T, H + KVH, D)
         return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * d:].view(t, nkv, d)
 
@@ -131,6 +137,7 @@ class LlamaModel(nn.Module):
         self.exact_sums = False                                 # set by sum_exactly
         self.norm_act: NormAct | None = None                    # set by fuse_norm_act
         self.head: Projection | None = None                     # set by load_hf_weights
+        self.fused: FusedLayers | None = None                   # set by fuse_layers
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), fuse, convert and
@@ -222,6 +229,12 @@ class LlamaModel(nn.Module):
             layer.norm_act = fused
         return True
 
+    def fuse_layers(self) -> bool:
+        """Run a step's layers in one C++ call (kvstrata.model.fused_layers) when this model can: bf16, our
+        kernels, every projection at a GGUF's bits. The same bits as the Python loop; returns whether it does."""
+        self.fused = fused_layers(self)
+        return self.fused is not None
+
     def sum_exactly(self) -> None:
         """`--batch-invariant`: attention and the norms' statistics summed in float64 (attention in
         the paged kernel, whose sums follow the row alone, when it can read the cache), and a lone
@@ -253,6 +266,19 @@ class LlamaModel(nn.Module):
                              torch.tensor([n], device=self.device), [0, n], 0, pos)
         return self(batch, kv)
 
+    def _kernels_take(self, plan: AttentionPlan, kv: PagedKVCache) -> bool:
+        """Whether our kernels take the whole of every layer between its QKV and O projections this step: RoPE
+        with the K/V write (`NormAct.rope_store`) and the paged kernel for every row, the same bits as torch's
+        ops and `PagedAttention.__call__` (~25 fewer ops a layer)."""
+        return (self.norm_act is not None and plan.kernel_only and self.arch.head_dim <= self.norm_act.rope_max_head_dim
+                and self.attn.reads_in_place(kv.block_size, self.dtype, self.device))
+
+    def _rotated_buffers(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The paged kernel's queries, outputs and log-sum-exps for a step's t rows, shared by its layers."""
+        a = self.arch
+        qf = torch.empty(t, a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim)
+        return qf, torch.empty_like(qf), torch.empty(qf.shape[:3])
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Run one step: writes K/V of every token in `batch`, returns float32 logits of shape
@@ -263,10 +289,25 @@ class LlamaModel(nn.Module):
         h = F.embedding(batch.input_ids, self.embed_tokens)         # (T, E)
         before, after = self.layer_steps
         lora = batch.lora
+        kernels_only = self._kernels_take(plan, kv)
+        if kernels_only and self.fused is not None and lora is None:
+            self.fused(h, cos, sin, plan, kv)           # every layer in one call (kvstrata.model.fused_layers)
+            return self._logits(h, batch)
+        rotated = self._rotated_buffers(h.shape[0]) if kernels_only else None
         for index, layer in enumerate(self.layers):
-            q, k, v = before(layer, h, cos, sin, lora)
-            kv.write(index, plan.slot_mapping, k, v)
-            h = after(layer, h, self.attn(q, k, v, kv.layer(index), plan), lora)
+            if rotated is not None:       # RoPE, the K/V write and the kernel's queries in one call
+                kv_layer = kv.layer(index)
+                self.norm_act.rope_store(layer.qkv_rows(h, lora), cos, sin, plan.slot_mapping, kv_layer, rotated[0])
+                o = self.attn.attend_rotated(rotated[0], kv_layer, plan, *rotated[1:], self.dtype)
+            else:
+                q, k, v = before(layer, h, cos, sin, lora)
+                kv.write(index, plan.slot_mapping, k, v)
+                o = self.attn(q, k, v, kv.layer(index), plan)
+            h = after(layer, h, o, lora)
+        return self._logits(h, batch)
+
+    def _logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The last layer's output h (T, E) -> float32 logits (S, vocab) of the rows `batch.logits_indices`."""
         h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps, self.norm_stat_dtype,
                      self.norm_act)                                 # (S, E)
         return self.head(h).float()                                 # (S, vocab)

@@ -217,6 +217,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         compile_layers(loaded.model)
     elif quantization in ("none", "gguf"):
         loaded.model.pack_projections()      # dynamo cannot trace oneDNN's packed weights: not with --compile
+        if quantization == "gguf":
+            loaded.model.fuse_layers()       # a step's layers in one C++ call, where every projection is at its bits
     logger.info("loaded %s (%d layers, %s, quantization %s, %s%s) in %.2fs", name, loaded.arch.num_layers,
                 str(dtype).removeprefix("torch."), quantization, device,
                 ", dummy weights" if config.load_format == "dummy" else "", time.perf_counter() - start)
