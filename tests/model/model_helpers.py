@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from kvstrata.core.machine import machine
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
@@ -184,3 +185,17 @@ def write_tiny_gguf(path, hf_model, types: dict[str, str] | None = None) -> None
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# A Llama small enough to write as a GGUF in a test (rows of 64 and 96: whole blocks of 32)
+TINY_LLAMA = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def tiny_gguf(folder: Path, config, types: dict[str, str], seed: int = 0) -> Path:
+    """A random tiny HF model (`save_tiny_hf_model`) written as a GGUF with `types` (`write_tiny_gguf`); its path."""
+    hf = save_tiny_hf_model(folder / "hf", config, seed=seed)
+    path = folder / "Tiny-Llama.Q4_0.gguf"
+    write_tiny_gguf(path, hf, types)
+    return path

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from kvstrata.core.config import ModelConfig
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.kernels import decoder_layers, gguf_matmul, norm_act, paged_decode
 from kvstrata.model.loader import load_model
 from kvstrata.model.rope import apply_rotary
-from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model, write_tiny_gguf
-
-TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+from tests.model.model_helpers import TINY_LLAMA as TINY, Seq, new_cache, run_step, tiny_gguf
 
 # loaded here, from the usual kernel cache (`make install` built them), before the tests' private caches
 pytestmark = pytest.mark.skipif(None in (norm_act(), decoder_layers(), gguf_matmul(), paged_decode()),
@@ -52,10 +47,8 @@ def test_rope_store_gives_the_bits_of_apply_rotary_and_the_cache_write(dtype):
 @pytest.fixture
 def own_bits(tmp_path):
     """A tiny model as a GGUF whose every matrix is served at its bits (Q4_0, Q4_1 and Q8_0), loaded in bf16."""
-    hf = save_tiny_hf_model(tmp_path / "hf", TINY, seed=5)
-    path = tmp_path / "Tiny-Llama.Q4_0.gguf"
     types = {kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")}
-    write_tiny_gguf(path, hf, {**types, "attn_output": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0"})
+    path = tiny_gguf(tmp_path, TINY, {**types, "attn_output": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0"}, seed=5)
     return load_model(ModelConfig(model=str(path), quantization="gguf", dtype="bfloat16"))
 
 
@@ -108,13 +101,10 @@ def test_the_fused_call_splits_its_time(own_bits):
 
 
 def test_a_widened_projection_or_a_float32_model_keeps_the_python_loop(tmp_path):
-    hf = save_tiny_hf_model(tmp_path / "hf", TINY, seed=5)
-    path = tmp_path / "Tiny-Llama.Q4_0.gguf"
-    write_tiny_gguf(path, hf, {kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                                         "ffn_up")} | {"ffn_down": "F16"})
+    bits = {kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")}
+    path = tiny_gguf(tmp_path / "widened", TINY, {**bits, "ffn_down": "F16"}, seed=5)
     assert load_model(ModelConfig(model=str(path), quantization="gguf", dtype="bfloat16")).model.fused is None
-    write_tiny_gguf(path, hf, {kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                                         "ffn_up", "ffn_down")})
+    path = tiny_gguf(tmp_path / "own", TINY, {**bits, "ffn_down": "Q4_0"}, seed=5)
     assert load_model(ModelConfig(model=str(path), quantization="gguf", dtype="float32")).model.fused is None
     loaded = load_model(ModelConfig(model=str(path), quantization="gguf", dtype="bfloat16"))
     assert loaded.model.fused is not None

@@ -16,7 +16,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from kvstrata.core.config import EngineConfig, ModelConfig
 from kvstrata.core.sampling_params import SamplingParams
@@ -24,11 +23,8 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.model.gguf_bits import BLOCK_BYTES, BLOCK_WEIGHTS, GGUFLinear, as_q4_1, kernel_level
 from kvstrata.model.linear import PackedLinear
 from kvstrata.model.loader import load_model
-from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model, write_tiny_gguf
+from tests.model.model_helpers import TINY_LLAMA as TINY, Seq, new_cache, run_step, save_tiny_hf_model, tiny_gguf
 
-TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
 @pytest.fixture(autouse=True)
@@ -122,11 +118,8 @@ def test_the_kernel_under_an_avx2_cap(tmp_path):
 @pytest.fixture
 def quantized_gguf(tmp_path):
     """A tiny model written as a Q4_0 GGUF, but Q4_1 attention output, Q8_0 embeddings and F16 ffn_down."""
-    hf = save_tiny_hf_model(tmp_path / "hf", TINY, seed=3)
-    path = tmp_path / "Tiny-Llama.Q4_0.gguf"
     types = {kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")}
-    write_tiny_gguf(path, hf, {**types, "attn_output": "Q4_1", "token_embd": "Q8_0", "ffn_down": "F16"})
-    return path
+    return tiny_gguf(tmp_path, TINY, {**types, "attn_output": "Q4_1", "token_embd": "Q8_0", "ffn_down": "F16"}, seed=3)
 
 
 def test_a_gguf_is_served_at_its_own_bits_and_other_types_widened_with_a_warning(quantized_gguf, caplog):
