@@ -15,7 +15,7 @@ fastest (median beside it): this VM's memory bandwidth moves by tens of percent 
 table with kvstrata's own-bits speed over llama.cpp's (above 1, kvstrata is faster), kvstrata's batch-1
 weight reads against the memory bandwidth its run measured, and writes gguf_bits.json and gguf_bits.md
 into `--out`. Dummy-weight files come from peers/dummy_gguf.py (its q4_0 keeps the output matrix in
-Q6_K, as llama-quantize does, which kvstrata keeps at 8 bits; bf16 files are widened: the table says so).
+Q6_K, as llama-quantize does, which kvstrata keeps at 8 bits; bf16 files run at their 16 bits).
 --vllm (the shipped file only) adds vLLM's CPU build on the same model in bfloat16 (the HF folder kvstrata's
 loader converts the GGUF into: vLLM serves no GGUF on a CPU) and kvstrata's default over it.
 """

@@ -84,8 +84,8 @@ class ModelConfig:
     quantization: str = _opt("auto", "weights of the linear layers: auto (a GGUF file's own bits where "
                                      "kvstrata's kernel runs them: on CPU, without --compile; else none), none "
                                      "(the dtype's own), int8 (CPU only: int8 weights, activations quantized per "
-                                     "call) or gguf (CPU only: a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q6_K matrices at "
-                                     "their own bits, other types widened to the dtype with a warning)",
+                                     "call) or gguf (CPU only: a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q6_K / BF16 "
+                                     "matrices at their own bits, other types widened to the dtype with a warning)",
                              QUANTIZATIONS)
     compile: bool = _opt(False, "torch.compile the decoder layers around attention at load (fewer ops per "
                                 "step; the first start compiles for about a minute, later ones read the cache)")

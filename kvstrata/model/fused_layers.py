@@ -1,5 +1,5 @@
 """A step's decoder layers in one C++ call (csrc/decoder_layers.cpp), for a bf16 model whose every projection
-our GGUF kernel runs (the embedded default model and any Q4_0 / Q4_1 / Q8_0 / Q6_K file, served at its bits).
+our GGUF kernel runs (the embedded default model and any Q4_0 / Q4_1 / Q8_0 / Q6_K / BF16 file, served at its bits).
 
 Why: at one row a decode step is ~97 MB of weights read in ~3.6 ms (SmolLM2 at Q4_1, Zen 4), and the Python
 loop around those reads dispatched ~12 calls a layer, each a few microseconds of interpreter, ctypes and

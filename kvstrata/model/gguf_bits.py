@@ -1,5 +1,5 @@
-"""GGUF weights served at their own bits (`--quantization gguf`): Q4_0, Q4_1, Q8_0 and Q6_K projections run by
-our kernel (csrc/gguf_matmul.cpp) straight from the file's blocks, never widened to 16 bits.
+"""GGUF weights served at their own bits (`--quantization gguf`): Q4_0, Q4_1, Q8_0, Q6_K and BF16 projections run
+by our kernel (csrc/gguf_matmul.cpp) straight from the file's blocks, never widened to 16 bits (BF16's are 16).
 
 A decode step is memory-bound, so the weights stay at the file's 4.5-8.5 bits a weight and the
 activations come down to meet them, as llama.cpp does: each activation row is quantized to int8 in
@@ -15,7 +15,8 @@ against the file's 0.82 and bfloat16's 2: llama-quantize keeps the output matrix
 a third of a 1B model's bytes). Every ISA path gives the same bits, and a row's
 result never depends on the other rows of its batch, so greedy outputs do not depend on batching or on
 what the caches held. `benchmarks/quant_accuracy.py` measures the perplexity int8 activations cost
-(llama.cpp pays the same).
+(llama.cpp pays the same). BF16 matrices take the activations as they are (bf16, or float32) in float32
+FMAs with denormals flushed, the bits of AVX512-BF16's dot product (csrc/bf16_tiles.h).
 
 Block layouts (ggml): Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]}, Q8_0 {f16 d; i8 qs[32]};
 a 4-bit block holds weight j in the low nibble of qs[j] and weight j + 16 in its high nibble. Q6_K
@@ -36,15 +37,16 @@ from kvstrata.core.machine import machine
 from kvstrata.model import kernels
 
 BLOCKS_FILE = "gguf-blocks"                           # in a converted GGUF's folder (kvstrata.model.gguf_convert)
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q6_K": 210}    # the types served at their own bits
-BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q6_K": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q6_K": 210, "BF16": 2}    # the types served at their own bits
+BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q6_K": 256, "BF16": 1}
 
 
 def kernel_level() -> int:
-    """Which of the kernel's paths this CPU takes: 2 AVX-512 VNNI, 1 AVX2, 0 plain C++ (all give the same bits)."""
+    """Which of the kernel's paths this CPU takes: 3 AVX-512 VNNI + BF16 (BF16 matrices by VDPBF16PS), 2 AVX-512
+    VNNI, 1 AVX2, 0 plain C++ (all give the same bits)."""
     cpu = machine()
     if all(cpu.has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")):
-        return 2
+        return 3 if cpu.has("avx512_bf16") else 2
     return 1 if cpu.has("avx2") and cpu.has("fma") else 0
 
 

@@ -5,7 +5,7 @@ Reading a GGUF is slow in Python (`gguf.GGUFReader` parses ~100k tokenizer field
 
     <cache root>/models/gguf-<sha256 of the file>-v<CONVERTER_VERSION>/
         model.safetensors   float32, HF Llama tensor names, q/k rows back in HF order
-        gguf-blocks         (safetensors) the file's own blocks of every Q4_0 / Q4_1 / Q8_0 matrix, rows
+        gguf-blocks         (safetensors) the file's own blocks of every Q4_0 / Q4_1 / Q8_0 / Q6_K / BF16 matrix, rows
                             in the same order, and every matrix's GGUF type (`--quantization gguf`)
         config.json         HF Llama config (both `rope_theta` and v5 `rope_parameters`)
         tokenizer.json, tokenizer_config.json, chat_template.jinja   (when the GGUF has a tokenizer)
@@ -39,7 +39,7 @@ from kvstrata.model.gguf_bits import BLOCK_BYTES, BLOCKS_FILE
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 3          # 2: gguf-blocks; 3: Q6_K's blocks too
+CONVERTER_VERSION = 4          # 2: gguf-blocks; 3: Q6_K's blocks too; 4: BF16's
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -44,12 +44,12 @@ NORM_ACT_SOURCE = CSRC / "norm_act.cpp"
 LORA_SOURCE = CSRC / "lora.cpp"
 GGUF_SOURCE = CSRC / "gguf_matmul.cpp"
 DECODER_LAYERS_SOURCE = CSRC / "decoder_layers.cpp"
-HEADERS = [CSRC / "vec16.h"]       # included by both sources: part of every build's tag
+HEADERS = [CSRC / "vec16.h", CSRC / "bf16_tiles.h"]     # included by the sources: part of every build's tag
 # Bumped whenever a change to the source moves any bit of its results: exact engines' model
 # fingerprints carry it, so they never load KV that an older kernel computed (kvstrata.model.loader).
 REVISION = 2
 NORM_ACT_REVISION = 1             # the same for norm_act.cpp, in the fingerprint of every model using it
-GGUF_REVISION = 1                 # the same for gguf_matmul.cpp, in the fingerprint of a GGUF served at its bits
+GGUF_REVISION = 2                 # (2: BF16 files at their bits) the same for gguf_matmul.cpp, in the fingerprint of a GGUF served at its bits
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 
 
@@ -202,11 +202,11 @@ class LoRAApply:
 
 
 class GGUFMatmul:
-    """`kvs_gguf_pack` and `kvs_gguf_matmul` (csrc/gguf_matmul.cpp): a GGUF's Q4_0 / Q4_1 / Q8_0 / Q6_K rows
+    """`kvs_gguf_pack` and `kvs_gguf_matmul` (csrc/gguf_matmul.cpp): a GGUF's Q4_0 / Q4_1 / Q8_0 / Q6_K / BF16 rows
     packed once, then multiplied at their bits. Raw pointers: `kvstrata.model.gguf_bits.GGUFLinear` checks
     what the kernel relies on."""
 
-    KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q6_K": 3}
+    KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q6_K": 3, "BF16": 4}
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -223,7 +223,8 @@ class GGUFMatmul:
 
     def pack(self, kind: str, raw: torch.Tensor, n_in: int) -> torch.Tensor:
         """raw (out, blocks * block bytes) uint8, contiguous -> the kernel's layout (uint8, 1-D)."""
-        assert raw.dtype == torch.uint8 and raw.is_contiguous() and raw.dim() == 2 and n_in % (256 if kind == "Q6_K" else 32) == 0
+        assert raw.dtype == torch.uint8 and raw.is_contiguous() and raw.dim() == 2
+        assert n_in % {"Q6_K": 256, "BF16": 2}.get(kind, 32) == 0
         packed = torch.empty(self._bytes(self.KINDS[kind], raw.shape[0], n_in), dtype=torch.uint8)
         self._pack(self.KINDS[kind], raw.data_ptr(), raw.shape[0], n_in, packed.data_ptr())
         return packed
@@ -231,7 +232,7 @@ class GGUFMatmul:
     def __call__(self, kind: str, level: int, packed: torch.Tensor, n_out: int, x: torch.Tensor,
                  y: torch.Tensor) -> None:
         """y (M, out) = x (M, in) @ W.T, both float32 or both bfloat16 with unit column strides;
-        level 2 AVX-512 VNNI, 1 AVX2, 0 plain C++ (each gives the same bits)."""
+        level 3 AVX-512 VNNI + BF16, 2 AVX-512 VNNI, 1 AVX2, 0 plain C++ (each gives the same bits)."""
         self._matmul(self.KINDS[kind], level, packed.data_ptr(), n_out, x.shape[1], x.data_ptr(), x.stride(0),
                      y.data_ptr(), y.stride(0), x.shape[0], int(x.dtype == torch.bfloat16))
 

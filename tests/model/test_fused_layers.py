@@ -44,11 +44,15 @@ def test_rope_store_gives_the_bits_of_apply_rotary_and_the_cache_write(dtype):
     assert torch.equal(ours.data, torchs.data) and ours.data.abs().sum() > 0
 
 
-@pytest.fixture
-def own_bits(tmp_path):
-    """A tiny model as a GGUF whose every matrix is served at its bits (Q4_0, Q4_1 and Q8_0), loaded in bf16."""
-    types = {kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")}
-    path = tiny_gguf(tmp_path, TINY, {**types, "attn_output": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0"}, seed=5)
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
+FILES = {"quantized": {**dict.fromkeys(MATRICES, "Q4_0"), "attn_output": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0"},
+         "bf16": dict.fromkeys(MATRICES, "BF16")}
+
+
+@pytest.fixture(params=list(FILES))
+def own_bits(tmp_path, request):
+    """A tiny model as a GGUF whose every matrix is served at its bits (Q4_0, Q4_1 and Q8_0; or all BF16), in bf16."""
+    path = tiny_gguf(tmp_path, TINY, FILES[request.param], seed=5)
     return load_model(ModelConfig(model=str(path), quantization="gguf", dtype="bfloat16"))
 
 

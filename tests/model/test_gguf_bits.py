@@ -1,7 +1,8 @@
-"""A GGUF's Q4_0 / Q4_1 / Q8_0 matrices served at their own bits (`--quantization gguf`): the kernel multiplies
-by exactly what gguf-py dequantizes (activations quantized to int8 blocks, as llama.cpp does), its AVX-512
-VNNI, AVX2 and plain paths give the same bits, a row's result does not depend on its batch, other types
-are widened with a warning, and the engine's greedy outputs are the same with every cache feature on as off."""
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 / Q6_K / BF16 matrices served at their own bits (`--quantization gguf`): the kernel
+multiplies by exactly what gguf-py dequantizes (activations quantized to int8 blocks, as llama.cpp does; float32
+for BF16), its AVX-512 VNNI, AVX2 and plain paths give the same bits, a row's result does not depend on its
+batch, other types are widened with a warning, and the engine's greedy outputs are the same with every cache
+feature on as off."""
 
 from __future__ import annotations
 
@@ -66,12 +67,15 @@ def test_the_kernel_multiplies_by_what_gguf_py_dequantizes_and_every_path_gives_
     assert weights.abs().max() > 0 and float(weights[3].abs().max()) == 0.0
     levels = range(kernel_level() + 1)
     outs = [GGUFLinear.from_rows(kind, raw, bias, level=level)(x) for level in levels]
-    assert len(outs) == 3 or kernel_level() < 2                 # on an AVX-512 VNNI CPU all three ran
+    assert len(outs) >= 3 or kernel_level() < 2                 # on an AVX-512 VNNI CPU all three (four) ran
     assert all(torch.equal(out, outs[0]) for out in outs), "the ISA paths differ"
     y = outs[-1]
-    exact = int8_blocks(x) @ weights.t() + bias.double()
+    exact = (x.double() if kind == "BF16" else int8_blocks(x)) @ weights.t() + bias.double()
     assert y.dtype == torch.float32
-    assert (y.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+    if kind == "BF16":          # a chain of 256 float32 FMAs: within 256 units of roundoff of the sum of |terms|
+        assert ((y.double() - exact).abs() <= 257 * 2.0 ** -24 * (x.double().abs() @ weights.abs().t() + 1)).all()
+    else:                       # integer block sums: exact but for a few float32 roundings
+        assert (y.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
     plain = x.double() @ weights.t() + bias.double()            # int8 activations: a few parts in a thousand
     assert (y.double() - plain).abs().max() <= 2e-2 * plain.abs().max()
     linear = GGUFLinear.from_rows(kind, raw, bias)
@@ -80,6 +84,21 @@ def test_the_kernel_multiplies_by_what_gguf_py_dequantizes_and_every_path_gives_
     assert linear.nbytes == file_bytes
     unbiased, xb = GGUFLinear.from_rows(kind, raw), x.bfloat16()   # bf16 in, bf16 out: the float32 sums rounded once
     assert torch.equal(unbiased(xb), unbiased(xb.float()).bfloat16())
+
+
+def test_bf16_rows_get_the_bits_of_vdpbf16ps_on_every_path():
+    """VDPBF16PS (level 3) flushes denormals: the FMA paths do too, so products below float32's normal range
+    sum to exactly 0 on every path, and ordinary rows give the same bits whatever path and dtype they take."""
+    raw, _ = quantized("BF16", (40, 96), seed=6)
+    x = torch.randn(5, 96).bfloat16()
+    tiny = torch.full((16, 96), 2.0 ** -70).bfloat16().view(torch.uint8).reshape(16, -1)
+    levels = range(kernel_level() + 1)
+    outs = [GGUFLinear.from_rows("BF16", raw, level=level)(x) for level in levels]
+    floats = [GGUFLinear.from_rows("BF16", raw, level=level)(x.float()) for level in levels]
+    assert all(torch.equal(out, outs[0]) for out in outs) and all(torch.equal(f, floats[0]) for f in floats)
+    assert torch.equal(outs[0], floats[0].bfloat16()) and outs[0].abs().max() > 0
+    for level in levels:                                         # each product 2^-140: denormal, flushed
+        assert GGUFLinear.from_rows("BF16", tiny, level=level)(x.abs() * 2.0 ** -70).abs().max() == 0, level
 
 
 def test_q4_0_rows_as_q4_1_are_the_same_weights():
@@ -97,29 +116,35 @@ CAPPED_CHECK = """
 import json, sys, torch
 from kvstrata.core.machine import machine
 from kvstrata.model.gguf_bits import GGUFLinear, kernel_level
-raw, x = torch.load(sys.argv[1])
-print(json.dumps({"isa": machine().isa, "level": kernel_level(), "y": GGUFLinear.from_rows("Q4_1", raw)(x).tolist()}))
+kind, raw, x = torch.load(sys.argv[1])
+print(json.dumps({"isa": machine().isa, "level": kernel_level(), "y": GGUFLinear.from_rows(kind, raw)(x).tolist()}))
 """
 
 
-def test_the_kernel_under_an_avx2_cap(tmp_path):
+@pytest.mark.parametrize("kind", ["Q4_1", "BF16"])
+def test_the_kernel_under_an_avx2_cap(tmp_path, kind):
     from kvstrata.core.machine import isa_cap_environ
-    raw, _ = quantized("Q4_1", (48, 128), seed=2)
+    raw, _ = quantized(kind, (48, 128), seed=2)
     x = torch.randn(5, 128)
-    torch.save((raw, x), tmp_path / "case.pt")
+    torch.save((kind, raw, x), tmp_path / "case.pt")
     done = subprocess.run([sys.executable, "-c", CAPPED_CHECK, str(tmp_path / "case.pt")],
                           env={**os.environ, **isa_cap_environ("avx2")}, capture_output=True, text=True,
                           timeout=120, check=True, cwd=Path(__file__).resolve().parents[2])
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert "avx512f" not in seen["isa"] and seen["level"] == 1, seen
-    assert torch.equal(torch.tensor(seen["y"]), GGUFLinear.from_rows("Q4_1", raw)(x))
+    assert torch.equal(torch.tensor(seen["y"]), GGUFLinear.from_rows(kind, raw)(x))
+
+
+MIXED = {**{kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")},
+         "attn_output": "Q4_1", "token_embd": "Q8_0", "ffn_down": "F16"}
+ALL_BF16 = {kind: "BF16" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                                      "token_embd")}
 
 
 @pytest.fixture
 def quantized_gguf(tmp_path):
     """A tiny model written as a Q4_0 GGUF, but Q4_1 attention output, Q8_0 embeddings and F16 ffn_down."""
-    types = {kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")}
-    return tiny_gguf(tmp_path, TINY, {**types, "attn_output": "Q4_1", "token_embd": "Q8_0", "ffn_down": "F16"}, seed=3)
+    return tiny_gguf(tmp_path, TINY, MIXED, seed=3)
 
 
 def test_a_gguf_is_served_at_its_own_bits_and_other_types_widened_with_a_warning(quantized_gguf, caplog):
@@ -152,9 +177,10 @@ def test_only_a_gguf_on_cpu_has_own_bits(tmp_path):
         load_model(ModelConfig(model="llama-3.2-1b", load_format="dummy", quantization="gguf"))
 
 
-def test_greedy_outputs_at_own_bits_are_the_same_with_every_cache_feature_on_as_off(quantized_gguf, tmp_path):
+@pytest.mark.parametrize("types", [MIXED, ALL_BF16], ids=["mixed", "bf16"])
+def test_greedy_outputs_at_own_bits_are_the_same_with_every_cache_feature_on_as_off(types, tmp_path):
     """Prefix caching, a host tier and the disk store, preemption and reloads, against none of them."""
-    loaded = load_model(ModelConfig(model=str(quantized_gguf), quantization="gguf"))
+    loaded = load_model(ModelConfig(model=str(tiny_gguf(tmp_path, TINY, types, seed=3)), quantization="gguf"))
     shared = list(range(5, 69))
     prompts = [shared + [i, i + 1, i + 2] for i in range(6)] + [shared[:40]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

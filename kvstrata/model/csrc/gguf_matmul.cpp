@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_tiles.h"
+
 namespace {
 
 constexpr int64_t TILE = 16;                   // output rows per tile
@@ -35,7 +37,7 @@ constexpr int64_t QK = 32;                     // weights per block
 constexpr int R = 4;                           // activation rows per pass over a tile's weights
 constexpr int64_t PARALLEL_MACS = 1 << 18;     // fewer multiply-adds than this: one thread
 
-enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3 };
+enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3, BF16 = 4 };   // BF16: bf16_tiles.h
 
 constexpr bool byte_quants(int kind) { return kind == Q8_0 || kind == Q6_K; }
 constexpr int64_t data_bytes(int kind) { return byte_quants(kind) ? 512 : 256; }
@@ -141,7 +143,7 @@ void quantize_avx2(const float* x, int64_t in, const Quants& out) {
 }
 
 void quantize_row(int level, const float* x, int64_t in, const Quants& out) {
-    if (level == 2) quantize_avx512(x, in, out);
+    if (level >= 2) quantize_avx512(x, in, out);
     else if (level == 1) quantize_avx2(x, in, out);
     else quantize_plain(x, in, out);
 }
@@ -201,6 +203,8 @@ void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* blk = tile + b * block_stride(KIND);
+        for (int64_t line = 0; line < block_stride(KIND); line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(blk) + bf16k::PREFETCH + line, _MM_HINT_T0);
         __m512i w[8];                                   // w[j]: 16 rows x inputs 4j .. 4j + 3 of the block
         if (byte_quants(KIND)) {
             for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
@@ -316,7 +320,7 @@ void tile_rows(int level, const uint8_t* tile, const Acts& a, int64_t r0, int nr
     if (level == 0) return tile_plain<KIND>(tile, a, r0, nr, acc);
     auto run = [&](auto width) {
         constexpr int N = decltype(width)::value;
-        if (level == 2) tile_vnni<KIND, N>(tile, a, r0, acc);
+        if (level >= 2) tile_vnni<KIND, N>(tile, a, r0, acc);
         else tile_avx2<KIND, N>(tile, a, r0, acc);
     };
     switch (nr) {
@@ -327,26 +331,21 @@ void tile_rows(int level, const uint8_t* tile, const Acts& a, int64_t r0, int nr
     }
 }
 
-// float32 -> bfloat16, rounded to nearest even as torch rounds (NaN -> the quiet NaN)
-uint16_t to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0;
-    return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
-}
-
 }  // namespace
 
 extern "C" {
 
 // Bytes of the packed layout of an (out, in) matrix of `kind` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q6_K).
 int64_t kvs_gguf_packed_bytes(int kind, int64_t out, int64_t in) {
+    if (kind == BF16) return (out + TILE - 1) / TILE * bf16k::tile_elems(in) * 2;
     return (out + TILE - 1) / TILE * (in / QK) * block_stride(kind);
 }
 
 // The file's raw rows (out, in / source_weights blocks in ggml's layout of `kind`) -> the packed layout
 // (see the top). Rows past `out` in the last tile are zero (scale 0).
 void kvs_gguf_pack(int kind, const uint8_t* raw, int64_t out, int64_t in, uint8_t* packed) {
+    if (kind == BF16)
+        return bf16k::pack(reinterpret_cast<const uint16_t*>(raw), out, in, reinterpret_cast<uint16_t*>(packed));
     const int64_t nb = in / QK, stride = block_stride(kind), tiles = (out + TILE - 1) / TILE;
     const int64_t sources = in / source_weights(kind), blocks_per_source = source_weights(kind) / QK;
     const int64_t first = kind == Q4_1 ? 4 : 2;                  // where a Q4 / Q8_0 block's quants start
@@ -387,9 +386,13 @@ void kvs_gguf_pack(int kind, const uint8_t* raw, int64_t out, int64_t in, uint8_
 }
 
 // y (rows, out) = x (rows, in) times the packed (out, in) matrix transposed. x and y float32 (is_bf16 0) or
-// bfloat16 (1), with row strides x_stride and y_stride; in % 32 == 0. level: 2 AVX-512 VNNI, 1 AVX2, 0 plain.
+// bfloat16 (1), with row strides x_stride and y_stride; in % 32 == 0. level: 3 AVX-512 VNNI + BF16,
+// 2 AVX-512 VNNI, 1 AVX2, 0 plain (BF16 rows take VDPBF16PS at 3; the other kinds take 3 as 2).
 void kvs_gguf_matmul(int kind, int level, const uint8_t* packed, int64_t out, int64_t in, const void* x,
                      int64_t x_stride, void* y, int64_t y_stride, int64_t rows, int is_bf16) {
+    if (kind == BF16)
+        return bf16k::matmul(level, reinterpret_cast<const uint16_t*>(packed), out, in, x, x_stride, y, y_stride,
+                             rows, is_bf16);
     const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE, stride = block_stride(kind);
     std::vector<int8_t> q(static_cast<size_t>(rows * in));
     std::vector<float> dx(static_cast<size_t>(rows * nb)), sxd(dx.size());
@@ -427,14 +430,7 @@ void kvs_gguf_matmul(int kind, int level, const uint8_t* packed, int64_t out, in
                 case Q6_K: tile_rows<Q6_K>(level, tile, acts, r0, nr, acc); break;
                 default: tile_rows<Q8_0>(level, tile, acts, r0, nr, acc); break;
             }
-            for (int r = 0; r < nr; ++r) {
-                if (is_bf16) {
-                    uint16_t* yr = static_cast<uint16_t*>(y) + (r0 + r) * y_stride + t * TILE;
-                    for (int64_t l = 0; l < lanes; ++l) yr[l] = to_bf16(acc[r][l]);
-                } else {
-                    std::memcpy(static_cast<float*>(y) + (r0 + r) * y_stride + t * TILE, acc[r], lanes * 4);
-                }
-            }
+            for (int r = 0; r < nr; ++r) store_row(acc[r], lanes, y, (r0 + r) * y_stride + t * TILE, is_bf16);
         }
     }
 }
