@@ -225,7 +225,7 @@ class GGUFMatmul:
         """raw (out, blocks * block bytes) uint8, contiguous -> the kernel's layout (uint8, 1-D)."""
         assert raw.dtype == torch.uint8 and raw.is_contiguous() and raw.dim() == 2
         assert n_in % {"Q6_K": 256, "BF16": 2}.get(kind, 32) == 0
-        packed = torch.empty(self._bytes(self.KINDS[kind], raw.shape[0], n_in), dtype=torch.uint8)
+        packed = huge_page_bytes(self._bytes(self.KINDS[kind], raw.shape[0], n_in))
         self._pack(self.KINDS[kind], raw.data_ptr(), raw.shape[0], n_in, packed.data_ptr())
         return packed
 
@@ -235,6 +235,36 @@ class GGUFMatmul:
         level 3 AVX-512 VNNI + BF16, 2 AVX-512 VNNI, 1 AVX2, 0 plain C++ (each gives the same bits)."""
         self._matmul(self.KINDS[kind], level, packed.data_ptr(), n_out, x.shape[1], x.data_ptr(), x.stride(0),
                      y.data_ptr(), y.stride(0), x.shape[0], int(x.dtype == torch.bfloat16))
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+@cache
+def _madvise() -> ctypes._CFuncPtr | None:
+    """libc's madvise on Linux, else None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def huge_page_bytes(n: int) -> torch.Tensor:
+    """An uninitialized uint8 tensor of n bytes, its whole 2 MiB pages marked for transparent huge pages
+    (`madvise(MADV_HUGEPAGE)`, Linux's default THP mode is madvise): a decode step streams every weight once,
+    and with 4 KiB pages each page costs a TLB miss, a two-level walk in a VM. Weights read at +7-10% on the
+    Zen 4 VM at the 1B shape. Below 4 MiB, or where madvise is missing or refused, a plain allocation."""
+    madvise = _madvise()
+    if n < 2 * HUGE_PAGE or madvise is None:
+        return torch.empty(n, dtype=torch.uint8)
+    buffer = torch.empty(n + HUGE_PAGE, dtype=torch.uint8)           # room to start on a page boundary
+    address = buffer.data_ptr()
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    madvise(start, (n // HUGE_PAGE) * HUGE_PAGE, MADV_HUGEPAGE)       # a hint: refused, the pages stay 4 KiB
+    return buffer[start - address:start - address + n]
 
 
 @cache

@@ -101,6 +101,18 @@ def test_bf16_rows_get_the_bits_of_vdpbf16ps_on_every_path():
         assert GGUFLinear.from_rows("BF16", tiny, level=level)(x.abs() * 2.0 ** -70).abs().max() == 0, level
 
 
+def test_packed_weights_start_on_a_huge_page():
+    """Big packed matrices are 2 MiB aligned and marked for transparent huge pages (fewer TLB misses per step)."""
+    from kvstrata.model.kernels import HUGE_PAGE, huge_page_bytes
+    big, small = huge_page_bytes(3 * HUGE_PAGE + 5), huge_page_bytes(1000)
+    assert big.numel() == 3 * HUGE_PAGE + 5 and small.numel() == 1000
+    assert big.data_ptr() % HUGE_PAGE == 0
+    big.fill_(7)
+    assert int(big.sum()) == 7 * big.numel()
+    raw, _ = quantized("BF16", (2048, 1024), seed=7)                      # 4 MiB packed
+    assert GGUFLinear.from_rows("BF16", raw).packed.data_ptr() % HUGE_PAGE == 0
+
+
 def test_q4_0_rows_as_q4_1_are_the_same_weights():
     raw, weights = quantized("Q4_0", (32, 128), seed=4)
     as_q4_1_weights = gguf.quants.dequantize(as_q4_1(raw).numpy(), gguf.GGMLQuantizationType.Q4_1)
@@ -155,6 +167,8 @@ def test_a_gguf_is_served_at_its_own_bits_and_other_types_widened_with_a_warning
     assert all(isinstance(layer[name], GGUFLinear) for name in ("qkv", "o", "gate_up"))
     assert layer["o"].kind == "Q4_1" and layer["qkv"].kind == "Q4_0" and own.model.head.kind == "Q8_0"
     assert isinstance(layer["down"], PackedLinear) and isinstance(own.model.head, GGUFLinear)
+    packed = [p.packed for l in own.model.layers for p in l.projections.values() if isinstance(p, GGUFLinear)]
+    assert len({p.untyped_storage().data_ptr() for p in packed + [own.model.head.packed]}) == 1   # one arena
     assert "2 matrices widened to float32 (2 F16)" in caplog.text
     assert own.fingerprint != widened.fingerprint            # KV of one weight format never serves the other
     logits = {}
