@@ -98,23 +98,20 @@ class GGUFLinear:
         return y if self.bias is None else y.add_(self.bias)
 
 
-def in_one_arena(linears: list[GGUFLinear]) -> list[GGUFLinear]:
-    """The same projections, their packed weights moved into one buffer on transparent huge pages
+def in_one_arena(slots: list[tuple[dict, str]]) -> None:
+    """Move the `GGUFLinear` at each `where[key]` of `slots` into one buffer on transparent huge pages
     (`kernels.huge_page_bytes`), each at a 64-byte boundary: a small model's matrices are each below a huge
-    page, and a step reads them all in turn (SmolLM2 BF16's weights at +12-15% on the Zen 4 VM). Each old
-    buffer is dropped as it is copied, so memory peaks at one matrix above the model's."""
-    offsets, total = [], 0
-    for linear in linears:
-        offsets.append(total)
-        total += -(-linear.nbytes // 64) * 64
-    arena = kernels.huge_page_bytes(total)
-    moved = []
-    for index, offset in enumerate(offsets):
-        linear = linears[index]
-        arena[offset:offset + linear.nbytes].copy_(linear.packed)
-        moved.append(replace(linear, packed=arena[offset:offset + linear.nbytes]))
-        linears[index] = moved[-1]                  # the caller's list no longer holds the old buffer
-    return moved
+    page, and a step reads them all in turn (SmolLM2 BF16's weights at +12-15% on the Zen 4 VM). Each slot is
+    replaced as its weights are copied, which drops the old buffer (the slot held its only reference), so
+    memory peaks at one matrix above the model's."""
+    aligned = [-(-where[key].nbytes // 64) * 64 for where, key in slots]
+    arena = kernels.huge_page_bytes(sum(aligned))
+    offset = 0
+    for (where, key), size in zip(slots, aligned):
+        view = arena[offset:offset + where[key].nbytes]
+        view.copy_(where[key].packed)
+        where[key] = replace(where[key], packed=view)
+        offset += size
 
 
 @dataclass(frozen=True)

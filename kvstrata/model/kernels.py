@@ -49,7 +49,8 @@ HEADERS = [CSRC / "vec16.h", CSRC / "bf16_tiles.h"]     # included by the source
 # fingerprints carry it, so they never load KV that an older kernel computed (kvstrata.model.loader).
 REVISION = 2
 NORM_ACT_REVISION = 1             # the same for norm_act.cpp, in the fingerprint of every model using it
-GGUF_REVISION = 2                 # (2: BF16 files at their bits) the same for gguf_matmul.cpp, in the fingerprint of a GGUF served at its bits
+GGUF_REVISION = 2                 # the same for gguf_matmul.cpp, in the fingerprint of a GGUF served at its bits
+#                                   (2: BF16 matrices at their bits)
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 
 

@@ -196,18 +196,11 @@ class LlamaModel(nn.Module):
                      "gate_up": [mlp + "gate_proj.weight", mlp + "up_proj.weight"], "down": [mlp + "down_proj.weight"]}
             layer.projections = {name: own_bits(layer.projections[name], names) for name, names in parts.items()}
         self.head = own_bits(self.head, ["lm_head.weight" if self.lm_head is not None else "model.embed_tokens.weight"])
-        slots = [(layer.projections, name) for layer in self.layers for name in parts
-                 if isinstance(layer.projections[name], GGUFLinear)]
-        owned = [where[name] for where, name in slots] + ([self.head] if isinstance(self.head, GGUFLinear) else [])
-        for where, name in slots:
-            where[name] = None                      # `owned` holds the only references: each freed as it is moved
-        if len(owned) > len(slots):
-            self.head = None
-        moved = in_one_arena(owned)
-        for (where, name), linear in zip(slots, moved):
-            where[name] = linear
-        if len(moved) > len(slots):
-            self.head = moved[-1]
+        head, self.head = {"head": self.head}, None         # `head` holds its only reference while it moves
+        in_one_arena([(layer.projections, name) for layer in self.layers for name in parts
+                      if isinstance(layer.projections[name], GGUFLinear)]
+                     + ([(head, "head")] if isinstance(head["head"], GGUFLinear) else []))
+        self.head = head["head"]
         # The kernel quantizes activations to int8, which turns a last-bit difference into another quant:
         # attention must sum in an order set by the row alone, as for int8 ("Exact attention" in
         # kvstrata.model.attention), and a 16-bit widened projection pads a lone row (`pack_projections`).

@@ -193,6 +193,11 @@ TINY_LLAMA = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, n
                          rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
+# Every matrix of a tiny GGUF by its GGUF name without the layer (the keys of `write_tiny_gguf`'s `types`)
+GGUF_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
+ALL_BF16 = dict.fromkeys(GGUF_MATRICES, "BF16")
+
+
 def tiny_gguf(folder: Path, config, types: dict[str, str], seed: int = 0) -> Path:
     """A random tiny HF model (`save_tiny_hf_model`) written as a GGUF with `types` (`write_tiny_gguf`); its path."""
     hf = save_tiny_hf_model(folder / "hf", config, seed=seed)

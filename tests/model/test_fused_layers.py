@@ -12,7 +12,8 @@ from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.model.kernels import decoder_layers, gguf_matmul, norm_act, paged_decode
 from kvstrata.model.loader import load_model
 from kvstrata.model.rope import apply_rotary
-from tests.model.model_helpers import TINY_LLAMA as TINY, Seq, new_cache, run_step, tiny_gguf
+from tests.model.model_helpers import (ALL_BF16, GGUF_MATRICES, TINY_LLAMA as TINY, Seq, new_cache, run_step,
+                                       tiny_gguf)
 
 # loaded here, from the usual kernel cache (`make install` built them), before the tests' private caches
 pytestmark = pytest.mark.skipif(None in (norm_act(), decoder_layers(), gguf_matmul(), paged_decode()),
@@ -44,9 +45,9 @@ def test_rope_store_gives_the_bits_of_apply_rotary_and_the_cache_write(dtype):
     assert torch.equal(ours.data, torchs.data) and ours.data.abs().sum() > 0
 
 
-MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
-FILES = {"quantized": {**dict.fromkeys(MATRICES, "Q4_0"), "attn_output": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0"},
-         "bf16": dict.fromkeys(MATRICES, "BF16")}
+FILES = {"quantized": {**dict.fromkeys(GGUF_MATRICES, "Q4_0"), "attn_output": "Q4_1", "ffn_down": "Q8_0",
+                       "token_embd": "Q8_0"},
+         "bf16": ALL_BF16}
 
 
 @pytest.fixture(params=list(FILES))

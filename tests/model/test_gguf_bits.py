@@ -24,7 +24,8 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.model.gguf_bits import BLOCK_BYTES, BLOCK_WEIGHTS, GGUFLinear, as_q4_1, kernel_level
 from kvstrata.model.linear import PackedLinear
 from kvstrata.model.loader import load_model
-from tests.model.model_helpers import TINY_LLAMA as TINY, Seq, new_cache, run_step, save_tiny_hf_model, tiny_gguf
+from tests.model.model_helpers import (ALL_BF16, GGUF_MATRICES, TINY_LLAMA as TINY, Seq, new_cache, run_step,
+                                       save_tiny_hf_model, tiny_gguf)
 
 
 
@@ -147,10 +148,7 @@ def test_the_kernel_under_an_avx2_cap(tmp_path, kind):
     assert torch.equal(torch.tensor(seen["y"]), GGUFLinear.from_rows(kind, raw)(x))
 
 
-MIXED = {**{kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")},
-         "attn_output": "Q4_1", "token_embd": "Q8_0", "ffn_down": "F16"}
-ALL_BF16 = {kind: "BF16" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                                      "token_embd")}
+MIXED = {**dict.fromkeys(GGUF_MATRICES, "Q4_0"), "attn_output": "Q4_1", "token_embd": "Q8_0", "ffn_down": "F16"}
 
 
 @pytest.fixture

@@ -28,6 +28,9 @@
 
 namespace {
 
+constexpr int64_t PARALLEL_MACS = 1 << 18;   // fewer multiply-adds than this: one thread (both kernels)
+constexpr int PREFETCH = 2048;               // bytes ahead of a tile's loads (both kernels): both cores' streams in flight
+
 // float32 -> bfloat16, rounded to nearest even as torch rounds (NaN -> the quiet NaN)
 inline uint16_t to_bf16(float f) {
     uint32_t u;
@@ -50,10 +53,10 @@ namespace bf16k {
 
 constexpr int64_t TILE = 16;     // output rows per tile
 constexpr int R = 8;             // activation rows per pass over a tile's weights (8 chains hide VDPBF16PS's latency)
-constexpr int PREFETCH = 2048;   // bytes ahead of a tile's loads, here and in gguf_matmul.cpp: both cores' streams in flight
 constexpr unsigned FLUSH = 0x8040;   // MXCSR flush-to-zero and denormals-are-zero
 
 inline int64_t tile_elems(int64_t in) { return TILE * in; }
+inline int64_t packed_bytes(int64_t out, int64_t in) { return (out + TILE - 1) / TILE * tile_elems(in) * 2; }
 
 inline float widen(uint16_t h) {
     const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -66,8 +69,7 @@ inline float flushed(float f) { return std::fabs(f) < 1.17549435e-38f ? std::cop
 
 // The file's rows (out, in) bf16 -> tiles of 16 rows, inputs in pairs (see the top); rows past `out` are 0.
 inline void pack(const uint16_t* raw, int64_t out, int64_t in, uint16_t* packed) {
-    const int64_t tiles = (out + TILE - 1) / TILE;
-    std::memset(packed, 0, static_cast<size_t>(tiles * tile_elems(in) * 2));
+    std::memset(packed, 0, static_cast<size_t>(packed_bytes(out, in)));
     for (int64_t o = 0; o < out; ++o) {
         uint16_t* tile = packed + (o / TILE) * tile_elems(in);
         const int64_t l = o % TILE;
@@ -183,7 +185,7 @@ inline void matmul(int level, const uint16_t* packed, int64_t out, int64_t in, c
         if (is_bf16) std::memcpy(pairs.data() + r * in / 2, static_cast<const uint16_t*>(x) + r * x_stride, in * 2);
     }
     const Rows a{wide.data(), is_bf16 ? pairs.data() : nullptr, in};
-    const bool parallel = rows * in * out >= (1 << 18);
+    const bool parallel = rows * in * out >= PARALLEL_MACS;
 #pragma omp parallel if (parallel)
     {
         const unsigned csr = _mm_getcsr();        // per thread: what VDPBF16PS does, the FMA paths do flushed

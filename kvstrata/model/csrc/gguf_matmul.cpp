@@ -35,7 +35,6 @@ namespace {
 constexpr int64_t TILE = 16;                   // output rows per tile
 constexpr int64_t QK = 32;                     // weights per block
 constexpr int R = 4;                           // activation rows per pass over a tile's weights
-constexpr int64_t PARALLEL_MACS = 1 << 18;     // fewer multiply-adds than this: one thread
 
 enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3, BF16 = 4 };   // BF16: bf16_tiles.h
 
@@ -204,7 +203,7 @@ void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
     for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* blk = tile + b * block_stride(KIND);
         for (int64_t line = 0; line < block_stride(KIND); line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(blk) + bf16k::PREFETCH + line, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(blk) + PREFETCH + line, _MM_HINT_T0);
         __m512i w[8];                                   // w[j]: 16 rows x inputs 4j .. 4j + 3 of the block
         if (byte_quants(KIND)) {
             for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
@@ -335,9 +334,9 @@ void tile_rows(int level, const uint8_t* tile, const Acts& a, int64_t r0, int nr
 
 extern "C" {
 
-// Bytes of the packed layout of an (out, in) matrix of `kind` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q6_K).
+// Bytes of the packed layout of an (out, in) matrix of `kind` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q6_K, 4 BF16).
 int64_t kvs_gguf_packed_bytes(int kind, int64_t out, int64_t in) {
-    if (kind == BF16) return (out + TILE - 1) / TILE * bf16k::tile_elems(in) * 2;
+    if (kind == BF16) return bf16k::packed_bytes(out, in);
     return (out + TILE - 1) / TILE * (in / QK) * block_stride(kind);
 }
 
