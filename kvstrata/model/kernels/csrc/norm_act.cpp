@@ -1,5 +1,5 @@
 // RMSNorm and SiLU(gate) * up over bfloat16 rows, and RoPE with the K/V write, one call each (see
-// kvstrata/model/kernels.py): a decode step's norms, activations and rotations are tiny (a few rows of
+// kvstrata/model/kernels/norm_act.py): a decode step's norms, activations and rotations are tiny (a few rows of
 // 576-4096 values), so in torch they cost their dispatches, not their arithmetic: RMSNorm in bf16 is ten
 // ops (widen, square, sum, divide, add, rsqrt, scale, narrow, weight), the activation four, RoPE with
 // its slices, the K/V write and the attention kernel's float32 queries about twenty. Here each is one call.
@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kvs_abi.h"
 #include "vec16.h"
 
 namespace {
@@ -22,7 +23,6 @@ namespace {
 constexpr int64_t PARALLEL_VALUES = 1 << 16;     // fewer values than this: one thread (a decode's rows)
 constexpr int64_t MAX_HEAD_DIM = 512;
 
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
 void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n, float eps) {
     v16 squares = splat(0.f);
     for (int64_t i = 0; i < n; i += 16) {
@@ -38,7 +38,6 @@ void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n
 }
 
 // silu(g) = g / (1 + e^-g), written with e^-|g| <= 1 so that exp16 (which takes x <= 0) serves both signs
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
 void silu_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const v16 g = load(gate + i);
@@ -103,22 +102,7 @@ void rope_store(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin, co
     }
 }
 
-__attribute__((target_clones("avx2,fma", "default")))
-void rope_store_f32(const float* qkv, int64_t qkv_stride, const float* cos, const float* sin, const int64_t* slots,
-                    int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, float* kv, int64_t plane_slots, float* q) {
-    rope_store(qkv, qkv_stride, cos, sin, slots, rows, heads, kv_heads, d, kv, plane_slots, q);
-}
-
-__attribute__((target_clones("avx2,fma", "default")))
-void rope_store_bf16(const uint16_t* qkv, int64_t qkv_stride, const uint16_t* cos, const uint16_t* sin,
-                     const int64_t* slots, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, uint16_t* kv,
-                     int64_t plane_slots, float* q) {
-    rope_store(qkv, qkv_stride, cos, sin, slots, rows, heads, kv_heads, d, kv, plane_slots, q);
-}
-
 }  // namespace
-
-extern "C" {
 
 int64_t kvs_rope_max_head_dim() { return MAX_HEAD_DIM; }
 
@@ -140,17 +124,15 @@ void kvs_silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t 
 // negated). Rotated queries into q (rows, heads, d) float32 (rounded to the model dtype first, as the attention
 // kernel's queries are); rotated keys and the values into kv (2, kv_heads, plane_slots, d) at flat slots[r].
 // d <= MAX_HEAD_DIM (kvs_rope_max_head_dim()), even.
-void kvs_rope_store(const void* qkv, int64_t qkv_stride, int bf16, const void* cos, const void* sin,
+void kvs_rope_store(const void* qkv, int64_t qkv_stride, int64_t bf16, const void* cos, const void* sin,
                     const int64_t* slots, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, void* kv,
                     int64_t plane_slots, float* q) {
     if (bf16)
-        rope_store_bf16(static_cast<const uint16_t*>(qkv), qkv_stride, static_cast<const uint16_t*>(cos),
-                        static_cast<const uint16_t*>(sin), slots, rows, heads, kv_heads, d, static_cast<uint16_t*>(kv),
-                        plane_slots, q);
+        rope_store(static_cast<const uint16_t*>(qkv), qkv_stride, static_cast<const uint16_t*>(cos),
+                   static_cast<const uint16_t*>(sin), slots, rows, heads, kv_heads, d, static_cast<uint16_t*>(kv),
+                   plane_slots, q);
     else
-        rope_store_f32(static_cast<const float*>(qkv), qkv_stride, static_cast<const float*>(cos),
-                       static_cast<const float*>(sin), slots, rows, heads, kv_heads, d, static_cast<float*>(kv),
-                       plane_slots, q);
+        rope_store(static_cast<const float*>(qkv), qkv_stride, static_cast<const float*>(cos),
+                   static_cast<const float*>(sin), slots, rows, heads, kv_heads, d, static_cast<float*>(kv),
+                   plane_slots, q);
 }
-
-}  // extern "C"

@@ -97,8 +97,8 @@ inline void tile_plain(const uint16_t* tile, const Rows& a, int nr, float (*acc)
         }
 }
 
+#ifdef __AVX512BF16__
 template <int NR>
-__attribute__((target("avx512f,avx512bf16")))
 void tile_dpbf16(const uint16_t* tile, const Rows& a, float (*acc)[TILE]) {
     __m512 s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
@@ -111,8 +111,10 @@ void tile_dpbf16(const uint16_t* tile, const Rows& a, float (*acc)[TILE]) {
     for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc[r], s[r]);
 }
 
+#endif
+
+#ifdef __AVX512F__
 template <int NR>
-__attribute__((target("avx512f,fma")))
 void tile_avx512(const uint16_t* tile, const Rows& a, float (*acc)[TILE]) {
     __m512 s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
@@ -130,9 +132,11 @@ void tile_avx512(const uint16_t* tile, const Rows& a, float (*acc)[TILE]) {
     for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc[r], s[r]);
 }
 
+#endif
+
+#ifdef __AVX2__
 // AVX2: each half of a tile (8 rows) on its own, the same operations per lane.
 template <int NR>
-__attribute__((target("avx2,fma")))
 void tile_avx2(const uint16_t* tile, const Rows& a, float (*acc)[TILE]) {
     const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     for (int half = 0; half < 2; ++half) {
@@ -151,14 +155,23 @@ void tile_avx2(const uint16_t* tile, const Rows& a, float (*acc)[TILE]) {
     }
 }
 
-// level: 3 AVX-512 with BF16 (VDPBF16PS for bf16 rows), 2 AVX-512, 1 AVX2, 0 plain.
-inline void tile_rows(int level, const uint16_t* tile, const Rows& a, int nr, float (*acc)[TILE]) {
-    if (level == 0) return tile_plain(tile, a, nr, acc);
+#endif
+
+// The path of this build's ISA level: VDPBF16PS (bf16 rows where the CPU has AVX512-BF16), AVX-512, AVX2, plain.
+inline void tile_rows(const uint16_t* tile, const Rows& a, int nr, float (*acc)[TILE]) {
+#ifndef __AVX2__
+    return tile_plain(tile, a, nr, acc);
+#else
     auto run = [&](auto width) {
         constexpr int N = decltype(width)::value;
-        if (level == 3 && a.xb != nullptr) tile_dpbf16<N>(tile, a, acc);
-        else if (level >= 2) tile_avx512<N>(tile, a, acc);
-        else tile_avx2<N>(tile, a, acc);
+#if defined(__AVX512BF16__)
+        if (a.xb != nullptr) return tile_dpbf16<N>(tile, a, acc);
+#endif
+#if defined(__AVX512F__)
+        tile_avx512<N>(tile, a, acc);
+#else
+        tile_avx2<N>(tile, a, acc);
+#endif
     };
     switch (nr) {
         case 8: run(std::integral_constant<int, 8>{}); break;
@@ -170,10 +183,11 @@ inline void tile_rows(int level, const uint16_t* tile, const Rows& a, int nr, fl
         case 2: run(std::integral_constant<int, 2>{}); break;
         default: run(std::integral_constant<int, 1>{}); break;
     }
+#endif
 }
 
 // y (rows, out) = x (rows, in) times the packed (out, in) matrix transposed (kvs_gguf_matmul's arguments).
-inline void matmul(int level, const uint16_t* packed, int64_t out, int64_t in, const void* x, int64_t x_stride,
+inline void matmul(const uint16_t* packed, int64_t out, int64_t in, const void* x, int64_t x_stride,
                    void* y, int64_t y_stride, int64_t rows, int is_bf16) {
     const int64_t tiles = (out + TILE - 1) / TILE;
     std::vector<float> wide(static_cast<size_t>(rows * in));
@@ -197,7 +211,7 @@ inline void matmul(int level, const uint16_t* packed, int64_t out, int64_t in, c
                 const int nr = static_cast<int>(std::min<int64_t>(R, rows - r0));
                 float acc[R][TILE];
                 const Rows part{a.x + r0 * in, a.xb == nullptr ? nullptr : a.xb + r0 * in / 2, in};
-                tile_rows(level, packed + t * tile_elems(in), part, nr, acc);
+                tile_rows(packed + t * tile_elems(in), part, nr, acc);
                 for (int r = 0; r < nr; ++r) store_row(acc[r], lanes, y, (r0 + r) * y_stride + t * TILE, is_bf16);
             }
         }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvs_abi.h"
 #include "vec16.h"
 
 namespace {
@@ -52,7 +53,6 @@ __attribute__((always_inline)) inline void lora_rows(uint16_t* const* y, const f
     }
 }
 
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
 void lora_block(uint16_t* const* y, const uint16_t* const* x, int n, const uint16_t* a, const uint16_t* bt,
                 int64_t in, int64_t out, int64_t rank, float* xs, float* t) {
     for (int r = 0; r < n; ++r)                // each row widened to float32 once, not once per rank
@@ -70,8 +70,6 @@ void lora_block(uint16_t* const* y, const uint16_t* const* x, int n, const uint1
 }
 
 }  // namespace
-
-extern "C" {
 
 // y (rows, out) and x (rows, in) bfloat16 with row strides y_stride and x_stride; in % 16 == 0 and
 // out % 16 == 0. Group g's rows are rows[offsets[g]:offsets[g + 1]] (each row in at most one group), its
@@ -107,5 +105,3 @@ void kvs_lora_apply(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_
         }
     }
 }
-
-}  // extern "C"

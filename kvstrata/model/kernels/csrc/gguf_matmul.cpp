@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "bf16_tiles.h"
+#include "kvs_abi.h"
 
 namespace {
 
@@ -36,14 +37,19 @@ constexpr int64_t TILE = 16;                   // output rows per tile
 constexpr int64_t QK = 32;                     // weights per block
 constexpr int R = 4;                           // activation rows per pass over a tile's weights
 
-enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q6_K = 3, BF16 = 4 };   // BF16: bf16_tiles.h
+#define KVS_KIND(kind, name, weights, bytes) name = kind,
+enum Kind : int { KVS_GGUF_TYPES(KVS_KIND) };     // BF16: bf16_tiles.h
+#undef KVS_KIND
 
 constexpr bool byte_quants(int kind) { return kind == Q8_0 || kind == Q6_K; }
 constexpr int64_t data_bytes(int kind) { return byte_quants(kind) ? 512 : 256; }
 constexpr int64_t block_stride(int kind) { return data_bytes(kind) + 32 + (kind == Q4_1 || kind == Q6_K ? 32 : 0); }
 constexpr int32_t offset_of(int kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : kind == Q6_K ? 32 : 0; }
-constexpr int64_t source_bytes(int kind) { return kind == Q8_0 ? 34 : kind == Q4_1 ? 20 : kind == Q6_K ? 210 : 18; }
-constexpr int64_t source_weights(int kind) { return kind == Q6_K ? 256 : QK; }
+#define KVS_FACT(kind, name, weights, bytes) {weights, bytes},
+constexpr int64_t SOURCE[][2] = {KVS_GGUF_TYPES(KVS_FACT)};      // a file block's weights and bytes, by kind
+#undef KVS_FACT
+constexpr int64_t source_weights(int kind) { return SOURCE[kind][0]; }
+constexpr int64_t source_bytes(int kind) { return SOURCE[kind][1]; }
 
 // One row's activations as int8 blocks: quants, scale, the quants' sum, and scale * sum (Q4_1's minimum term).
 struct Acts {
@@ -97,7 +103,7 @@ void quantize_plain(const float* x, int64_t in, const Quants& out) {
     }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl")))
+#ifdef __AVX512BW__
 void quantize_avx512(const float* x, int64_t in, const Quants& out) {
     for (int64_t b = 0; b < in / QK; ++b) {
         const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
@@ -110,14 +116,15 @@ void quantize_avx512(const float* x, int64_t in, const Quants& out) {
     }
 }
 
-__attribute__((target("avx2,fma")))
+#endif
+
+#ifdef __AVX2__
 int32_t sum8(__m256i v) {
     const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
     return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1)));
 }
 
-__attribute__((target("avx2,fma")))
 void quantize_avx2(const float* x, int64_t in, const Quants& out) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (int64_t b = 0; b < in / QK; ++b) {
@@ -141,10 +148,16 @@ void quantize_avx2(const float* x, int64_t in, const Quants& out) {
     }
 }
 
-void quantize_row(int level, const float* x, int64_t in, const Quants& out) {
-    if (level >= 2) quantize_avx512(x, in, out);
-    else if (level == 1) quantize_avx2(x, in, out);
-    else quantize_plain(x, in, out);
+#endif
+
+void quantize_row(const float* x, int64_t in, const Quants& out) {
+#if defined(__AVX512BW__)
+    quantize_avx512(x, in, out);
+#elif defined(__AVX2__)
+    quantize_avx2(x, in, out);
+#else
+    quantize_plain(x, in, out);
+#endif
 }
 
 // The plain path: what the vector paths compute, one lane at a time.
@@ -193,9 +206,41 @@ void tile_plain(const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*
 
 inline int32_t four_bytes(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
+// One block's float steps for one row, written once for both vector widths (V: V512 or V256 below): each half
+// block's integer sum less its offset, scaled and summed into acc (Q6_K), or the block's whole (then Q4_1's
+// minimum term). `offset` is what the path's quants carry (Q8_0's +128 on the VNNI path, none on AVX2's).
+template <int KIND, typename V>
+inline typename V::F block_into(typename V::F acc, const typename V::I* sums, typename V::F d, const typename V::F* scale,
+                                typename V::F m, int32_t offset, const Acts& a, int64_t row, int64_t b) {
+    const typename V::F dx = V::splat(a.dx[row * a.nb + b]);
+    if (KIND == Q6_K) {
+        for (int h = 0; h < 2; ++h)
+            acc = V::fmadd(scale[h], V::mul(V::to_float(V::less(sums[h], offset * a.sx16[row * 2 * a.nb + 2 * b + h])),
+                                            dx), acc);
+        return acc;
+    }
+    acc = V::fmadd(d, V::mul(V::to_float(V::less(V::add(sums[0], sums[1]), offset * a.sx[row * a.nb + b])), dx), acc);
+    return KIND == Q4_1 ? V::fmadd(m, V::splat(a.sxd[row * a.nb + b]), acc) : acc;
+}
+
+// The vector ops `block_into` takes, defined once for both widths (BITS 256: AVX2, 512: AVX-512).
+#define KVS_VECTOR(NAME, BITS)                                                                   \
+    struct NAME {                                                                                \
+        using I = __m##BITS##i;                                                                  \
+        using F = __m##BITS;                                                                     \
+        static I add(I x, I y) { return _mm##BITS##_add_epi32(x, y); }                           \
+        static I less(I x, int32_t c) { return _mm##BITS##_sub_epi32(x, _mm##BITS##_set1_epi32(c)); } \
+        static F to_float(I x) { return _mm##BITS##_cvtepi32_ps(x); }                            \
+        static F mul(F x, F y) { return _mm##BITS##_mul_ps(x, y); }                             \
+        static F fmadd(F x, F y, F z) { return _mm##BITS##_fmadd_ps(x, y, z); }                  \
+        static F splat(float x) { return _mm##BITS##_set1_ps(x); }                               \
+    };
+
+#ifdef __AVX512VNNI__
+KVS_VECTOR(V512, 512)
+
 // AVX-512 VNNI: a block of 16 rows is 8 vectors of 16 rows x 4 inputs; 8 dpbusd per activation row.
 template <int KIND, int NR>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE]) {
     __m512 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
@@ -215,44 +260,33 @@ void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + data_bytes(KIND))));
+        const __m512 m = KIND == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(blk + data_bytes(KIND) + 32))) : d;
         __m512 scale[2];                                // Q6_K: d * sc of each half block, exact
         if (KIND == Q6_K)
             for (int h = 0; h < 2; ++h)
                 scale[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 544 + 16 * h)))), d);
         for (int r = 0; r < NR; ++r) {
-            const int64_t row = r0 + r;
-            const int8_t* xq = a.q + row * a.in + b * QK;
+            const int8_t* xq = a.q + (r0 + r) * a.in + b * QK;
             __m512i half[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};   // inputs 0-15, 16-31
             for (int j = 0; j < 4; ++j)
                 for (int h = 0; h < 2; ++h)
                     half[h] = _mm512_dpbusd_epi32(half[h], w[4 * h + j], _mm512_set1_epi32(four_bytes(xq + 16 * h + 4 * j)));
-            if (KIND == Q6_K) {
-                for (int h = 0; h < 2; ++h) {
-                    const __m512i sh = _mm512_sub_epi32(half[h], _mm512_set1_epi32(offset_of(KIND) * a.sx16[row * 2 * a.nb + 2 * b + h]));
-                    acc[r] = _mm512_fmadd_ps(scale[h], _mm512_mul_ps(_mm512_cvtepi32_ps(sh), _mm512_set1_ps(a.dx[row * a.nb + b])), acc[r]);
-                }
-                continue;
-            }
-            __m512i s = _mm512_add_epi32(half[0], half[1]);
-            if (offset_of(KIND) != 0)
-                s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset_of(KIND) * a.sx[row * a.nb + b]));
-            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a.dx[row * a.nb + b]));
-            acc[r] = _mm512_fmadd_ps(d, p, acc[r]);
-            if (KIND == Q4_1) {
-                const __m512 m = _mm512_cvtph_ps(
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + data_bytes(KIND) + 32)));
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sxd[row * a.nb + b]), acc[r]);
-            }
+            acc[r] = block_into<KIND, V512>(acc[r], half, d, scale, m, offset_of(KIND), a, r0 + r, b);
         }
     }
     for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
 
+#endif
+
+#ifdef __AVX2__
+KVS_VECTOR(V256, 256)
+
 // AVX2: each half of a tile (8 rows) on its own; u8 x s8 pairs sum in int16 (maddubs), which Q4's and
 // Q6_K's quants (<= 63) never saturate; Q8_0 goes signed (|w| x sign(x, w)), so its pairs stay <= 2 x 128 x 127.
 template <int KIND, int NR>
-__attribute__((target("avx2,fma,f16c")))
 void tile_avx2(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE]) {
     const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
     const __m256i ones = _mm256_set1_epi16(1);
@@ -275,14 +309,15 @@ void tile_avx2(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
             }
             const __m256 d = _mm256_cvtph_ps(
                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + data_bytes(KIND) + 16 * half)));
+            const __m256 m = KIND == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(blk + data_bytes(KIND) + 32 + 16 * half))) : d;
             __m256 scale[2];
             if (KIND == Q6_K)
                 for (int h = 0; h < 2; ++h)
                     scale[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 544 + 16 * h + 8 * half)))), d);
             for (int r = 0; r < NR; ++r) {
-                const int64_t row = r0 + r;
-                const int8_t* xq = a.q + row * a.in + b * QK;
+                const int8_t* xq = a.q + (r0 + r) * a.in + b * QK;
                 __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};   // inputs 0-15, 16-31
                 for (int j = 0; j < 8; ++j) {
                     const __m256i x = _mm256_set1_epi32(four_bytes(xq + 4 * j));
@@ -291,36 +326,30 @@ void tile_avx2(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
                         : _mm256_maddubs_epi16(w[j], x);
                     sums[j / 4] = _mm256_add_epi32(sums[j / 4], _mm256_madd_epi16(pairs, ones));
                 }
-                if (KIND == Q6_K) {
-                    for (int h = 0; h < 2; ++h) {
-                        const __m256i sh = _mm256_sub_epi32(sums[h], _mm256_set1_epi32(offset_of(KIND) * a.sx16[row * 2 * a.nb + 2 * b + h]));
-                        acc[r] = _mm256_fmadd_ps(scale[h], _mm256_mul_ps(_mm256_cvtepi32_ps(sh), _mm256_set1_ps(a.dx[row * a.nb + b])), acc[r]);
-                    }
-                    continue;
-                }
-                __m256i s = _mm256_add_epi32(sums[0], sums[1]);
-                if (KIND == Q4_0)                               // Q8_0's sum is already signed
-                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset_of(KIND) * a.sx[row * a.nb + b]));
-                const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.dx[row * a.nb + b]));
-                acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
-                if (KIND == Q4_1) {
-                    const __m256 m = _mm256_cvtph_ps(
-                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + data_bytes(KIND) + 32 + 16 * half)));
-                    acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sxd[row * a.nb + b]), acc[r]);
-                }
+                // Q8_0's sums are signed already on this path: no offset
+                acc[r] = block_into<KIND, V256>(acc[r], sums, d, scale, m, KIND == Q8_0 ? 0 : offset_of(KIND), a, r0 + r,
+                                                b);
             }
         }
         for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out[r] + 8 * half, acc[r]);
     }
 }
 
+#endif
+
+// The path of this build's ISA level: VNNI, AVX2 (AVX-512 without VNNI too) or plain.
 template <int KIND>
-void tile_rows(int level, const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*acc)[TILE]) {
-    if (level == 0) return tile_plain<KIND>(tile, a, r0, nr, acc);
+void tile_rows(const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*acc)[TILE]) {
+#ifndef __AVX2__
+    return tile_plain<KIND>(tile, a, r0, nr, acc);
+#else
     auto run = [&](auto width) {
         constexpr int N = decltype(width)::value;
-        if (level >= 2) tile_vnni<KIND, N>(tile, a, r0, acc);
-        else tile_avx2<KIND, N>(tile, a, r0, acc);
+#ifdef __AVX512VNNI__
+        tile_vnni<KIND, N>(tile, a, r0, acc);
+#else
+        tile_avx2<KIND, N>(tile, a, r0, acc);
+#endif
     };
     switch (nr) {
         case 4: run(std::integral_constant<int, 4>{}); break;
@@ -328,21 +357,20 @@ void tile_rows(int level, const uint8_t* tile, const Acts& a, int64_t r0, int nr
         case 2: run(std::integral_constant<int, 2>{}); break;
         default: run(std::integral_constant<int, 1>{}); break;
     }
+#endif
 }
 
 }  // namespace
 
-extern "C" {
-
-// Bytes of the packed layout of an (out, in) matrix of `kind` (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q6_K, 4 BF16).
-int64_t kvs_gguf_packed_bytes(int kind, int64_t out, int64_t in) {
+// Bytes of the packed layout of an (out, in) matrix of `kind` (KVS_GGUF_TYPES).
+int64_t kvs_gguf_packed_bytes(int64_t kind, int64_t out, int64_t in) {
     if (kind == BF16) return bf16k::packed_bytes(out, in);
     return (out + TILE - 1) / TILE * (in / QK) * block_stride(kind);
 }
 
 // The file's raw rows (out, in / source_weights blocks in ggml's layout of `kind`) -> the packed layout
 // (see the top). Rows past `out` in the last tile are zero (scale 0).
-void kvs_gguf_pack(int kind, const uint8_t* raw, int64_t out, int64_t in, uint8_t* packed) {
+void kvs_gguf_pack(int64_t kind, const uint8_t* raw, int64_t out, int64_t in, uint8_t* packed) {
     if (kind == BF16)
         return bf16k::pack(reinterpret_cast<const uint16_t*>(raw), out, in, reinterpret_cast<uint16_t*>(packed));
     const int64_t nb = in / QK, stride = block_stride(kind), tiles = (out + TILE - 1) / TILE;
@@ -385,12 +413,11 @@ void kvs_gguf_pack(int kind, const uint8_t* raw, int64_t out, int64_t in, uint8_
 }
 
 // y (rows, out) = x (rows, in) times the packed (out, in) matrix transposed. x and y float32 (is_bf16 0) or
-// bfloat16 (1), with row strides x_stride and y_stride; in % 32 == 0. level: 3 AVX-512 VNNI + BF16,
-// 2 AVX-512 VNNI, 1 AVX2, 0 plain (BF16 rows take VDPBF16PS at 3; the other kinds take 3 as 2).
-void kvs_gguf_matmul(int kind, int level, const uint8_t* packed, int64_t out, int64_t in, const void* x,
-                     int64_t x_stride, void* y, int64_t y_stride, int64_t rows, int is_bf16) {
+// bfloat16 (1), with row strides x_stride and y_stride; in % 32 == 0. Every ISA level's build gives the same bits.
+void kvs_gguf_matmul(int64_t kind, const uint8_t* packed, int64_t out, int64_t in, const void* x,
+                     int64_t x_stride, void* y, int64_t y_stride, int64_t rows, int64_t is_bf16) {
     if (kind == BF16)
-        return bf16k::matmul(level, reinterpret_cast<const uint16_t*>(packed), out, in, x, x_stride, y, y_stride,
+        return bf16k::matmul(reinterpret_cast<const uint16_t*>(packed), out, in, x, x_stride, y, y_stride,
                              rows, is_bf16);
     const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE, stride = block_stride(kind);
     std::vector<int8_t> q(static_cast<size_t>(rows * in));
@@ -411,7 +438,7 @@ void kvs_gguf_matmul(int kind, int level, const uint8_t* packed, int64_t out, in
                 }
                 xr = wide.data();
             }
-            quantize_row(level, xr, in, Quants{q.data() + r * in, dx.data() + r * nb, sx.data() + r * nb,
+            quantize_row(xr, in, Quants{q.data() + r * in, dx.data() + r * nb, sx.data() + r * nb,
                                                sx16.data() + 2 * r * nb, sxd.data() + r * nb});
         }
     }
@@ -424,14 +451,12 @@ void kvs_gguf_matmul(int kind, int level, const uint8_t* packed, int64_t out, in
             const int nr = static_cast<int>(std::min<int64_t>(R, rows - r0));
             float acc[R][TILE];
             switch (kind) {
-                case Q4_0: tile_rows<Q4_0>(level, tile, acts, r0, nr, acc); break;
-                case Q4_1: tile_rows<Q4_1>(level, tile, acts, r0, nr, acc); break;
-                case Q6_K: tile_rows<Q6_K>(level, tile, acts, r0, nr, acc); break;
-                default: tile_rows<Q8_0>(level, tile, acts, r0, nr, acc); break;
+                case Q4_0: tile_rows<Q4_0>(tile, acts, r0, nr, acc); break;
+                case Q4_1: tile_rows<Q4_1>(tile, acts, r0, nr, acc); break;
+                case Q6_K: tile_rows<Q6_K>(tile, acts, r0, nr, acc); break;
+                default: tile_rows<Q8_0>(tile, acts, r0, nr, acc); break;
             }
             for (int r = 0; r < nr; ++r) store_row(acc[r], lanes, y, (r0 + r) * y_stride + t * TILE, is_bf16);
         }
     }
 }
-
-}  // extern "C"
