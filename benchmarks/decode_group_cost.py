@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from kvstrata.model.attention import PagedAttention
-from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
+from kvstrata.model.kernels import PagedDecode, face
+from kvstrata.model.network.attention import PagedAttention
+from kvstrata.model.network.forward_batch import DecodeGroup, ForwardBatch
 
 BLOCK, KV_HEADS, GROUP, HEAD_DIM, NUM_BLOCKS = 16, 3, 3, 64, 4000     # SmolLM2-135M
 OWN_TOKENS = 40
@@ -61,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    attn = PagedAttention(KV_HEADS * GROUP, KV_HEADS, HEAD_DIM)
+    attn = PagedAttention(KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, face(PagedDecode))   # None: KVSTRATA_KERNELS=0
     kv = torch.randn(2, KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM).to(getattr(torch, args.dtype))   # one layer
     print(f"{args.threads} thread(s), {args.dtype}, block {BLOCK}, {OWN_TOKENS} own tokens per decode; CPU us per layer")
     for k in args.sizes:

@@ -7,7 +7,7 @@
     .venv/bin/python benchmarks/gguf_bits.py --quick                          # checks the pipeline
 
 For each file, the same token-id prompts (batch 1 and 32 by default, 128 in and 128 out, greedy) through
-kvstrata serving the file's blocks at their bits (`--quantization gguf`, kvstrata.model.gguf_bits),
+kvstrata serving the file's blocks at their bits (`--quantization gguf`, kvstrata.model.formats.gguf),
 kvstrata widening them to bfloat16 (`--quantization none --dtype bfloat16`, what it did before), and
 llama.cpp's library on the file (peers/offline_llamacpp.py). Every engine gets the same threads; the
 engines run in turn for `--rounds` rounds of `--repeats` timed repeats each, and each figure is the

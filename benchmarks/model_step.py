@@ -20,7 +20,7 @@ gathering KV blocks and in the rest of attention beside the whole step, then the
 Each figure is the fastest of --repeat steps after warm-up (on a shared 2-core machine the median
 mostly measures the neighbours; it is printed too), beside what the step had to read: the weights
 (GB/s of weights per second is the roofline figure on a CPU) and the KV. "int8" is float32 with
-`quantization="int8"`. --compile also times each of them with `--compile` (kvstrata.model.compiled),
+`quantization="int8"`. --compile also times each of them with `--compile` (kvstrata.model.network.compiled),
 as "<name>+c", and prints how long its compile took. The models are loaded first and timed in turn for each shape, so a
 neighbour's burst hits all of them alike. --profile also counts the torch ops one step dispatches.
 Decode steps use a cache of zeros with shuffled block tables: timing does not depend on values.
@@ -43,9 +43,9 @@ from kvstrata.bench.roofline import memory_read_bandwidth
 from kvstrata.core.config import ModelConfig
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
-from kvstrata.model.attention import PagedAttention
-from kvstrata.model.forward_batch import ForwardBatch
 from kvstrata.model.loader import load_model
+from kvstrata.model.network.attention import PagedAttention
+from kvstrata.model.network.forward_batch import ForwardBatch
 
 BLOCK = 16
 
@@ -79,7 +79,7 @@ def prefill_batch(n: int, num_blocks: int, gen: torch.Generator) -> ForwardBatch
 
 
 WEIGHTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8"),
-           "gguf": ("bfloat16", "gguf")}      # gguf: the file's own bits (kvstrata.model.gguf_bits)
+           "gguf": ("bfloat16", "gguf")}      # gguf: the file's own bits (kvstrata.model.formats.gguf)
 
 
 def label_attention() -> None:
@@ -134,12 +134,12 @@ def breakdown_step(model, batch, kv, repeat: int) -> dict[str, float]:
     for layer in layers:
         layer.projections = {name: Timed(p, "weights", totals) for name, p in layer.projections.items()}
     model.head, model.attn = Timed(head, "weights", totals), Timed(attn, "attention", totals)
-    # the fused path (LlamaModel._rotated_buffers): RoPE with the K/V write, then the kernel's attention
+    # the kernel loop (kvstrata.model.network.steps): RoPE with the K/V write, then the kernel's attention
     attn.attend_rotated = Timed(attn.attend_rotated, "attention", totals)
     norm_act = model.norm_act
     if norm_act is not None:
         norm_act.rope_store = Timed(norm_act.rope_store, "attention", totals)
-    fused = model.fused            # the layers in one C++ call (kvstrata.model.fused_layers): its own clock
+    fused = getattr(model.loop, "fused", None)   # the layers in one C++ call (network.fused): its own clock
     if fused is not None:
         fused.seconds = (ctypes.c_double * 3)()
     try:

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvstrata.model.kernels import paged_decode
+from kvstrata.model.kernels import PagedDecode, face
 
 KVH, G, D, BS = 3, 3, 64, 16
 
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
     args = parser.parse_args()
-    kernel = paged_decode()
+    kernel = face(PagedDecode)
     if kernel is None:
         raise SystemExit("the paged kernel is unavailable here (no C++ compiler, or KVSTRATA_KERNELS=0)")
     torch.set_num_threads(args.threads)

@@ -38,7 +38,7 @@ from model_step import WEIGHTS
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
-from kvstrata.model.forward_batch import ForwardBatch
+from kvstrata.model.network.forward_batch import ForwardBatch
 
 TEXT = Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"
 BLOCK = 16

@@ -109,12 +109,9 @@ def probe(out: Path, when: str, sizes: Sizes, dtype: str) -> None:
 # ---- offline ------------------------------------------------------------------------------------
 def torch_dtypes() -> list[str]:
     """fp32 always; bf16 too where the CPU has native bf16 (without it bf16 GEMMs run 3-8x slower)."""
-    import torch
+    from kvstrata.model.formats.dense import native_bf16
 
-    from kvstrata.model.loader import resolve_dtype
-
-    auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-    return ["float32"] + (["bfloat16"] if auto == "bfloat16" else [])
+    return ["float32"] + (["bfloat16"] if native_bf16() else [])
 
 
 def offline(out: Path, sizes: Sizes, hf_folder: str, gguf: str, patience: float) -> None:

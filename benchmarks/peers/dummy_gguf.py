@@ -5,7 +5,7 @@
 
 `--model` is what kvstrata's `--model` takes with `--load-format dummy` (a shipped shape such as
 llama-3.2-1b, qwen2.5-7b, or a config.json); `--seed` is its seed (kvstrata's is 0). Every tensor is
-kvstrata.model.dummy's float32 tensor, laid out as llama.cpp's convert_hf_to_gguf.py lays out an HF
+kvstrata.model.sources.dummy's float32 tensor, laid out as llama.cpp's convert_hf_to_gguf.py lays out an HF
 checkpoint (llama.cpp commit 0c1e57098, the one install_llama_server.sh builds):
 - architecture `llama` for llama/mistral configs, `qwen2` for qwen2; tensor names from gguf-py's map;
 - llama's q/k rows permuted from HF's rotate-half RoPE layout to llama.cpp's interleaved one (qwen2 runs
@@ -37,8 +37,8 @@ import gguf
 import numpy as np
 import torch
 
-from kvstrata.model.dummy import dummy_source, dummy_tensor, tensor_shapes
 from kvstrata.model.loader import default_model_path
+from kvstrata.model.sources.dummy import dummy_source, dummy_tensor, tensor_shapes
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"bf16": (gguf.LlamaFileType.MOSTLY_BF16, Q.BF16),

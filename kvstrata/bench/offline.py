@@ -80,5 +80,6 @@ def run_offline(engine: LLMEngine, cases: list[OfflineCase], patience: float = 0
     wait_quiet(patience, "memory bandwidth")
     return {"engine": "kvstrata", "weight_bytes": weight_bytes(engine.runner.model),
             "dtype": str(engine.loaded.dtype).removeprefix("torch."), "quantization": engine.loaded.quantization,
+            "runs": engine.loaded.runs(),
             "memory_read_gb_s": memory_read_bandwidth() / 1e9,
             "config": asdict(engine.config), "cases": [asdict(r) for r in results]}

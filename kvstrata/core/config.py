@@ -78,15 +78,17 @@ class ModelConfig:
     tokenizer: str | None = _opt(None, "GGUF file or Hugging Face folder to take the tokenizer and chat template "
                                        "from (default: the model's own; with --load-format dummy, the embedded "
                                        "SmolLM2's)")
-    dtype: str = _opt("auto", "weight and KV dtype; auto picks the faster one for the device", DTYPES)
+    dtype: str = _opt("auto", "activation and KV dtype; auto picks the fastest for the weight format and device "
+                              "(a GGUF at its own bits: bfloat16 on any CPU; float weights: bfloat16 where the CPU "
+                              "has native bf16, else float32)", DTYPES)
     device: str = _opt("auto", "where the model runs; auto takes CUDA when present", DEVICES)
     threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     quantization: str = _opt("auto", "weights of the linear layers: auto (a GGUF file's own bits where "
-                                     "kvstrata's kernel runs them: on CPU, without --compile; else none), none "
-                                     "(the dtype's own), int8 (CPU only: int8 weights, activations quantized per "
-                                     "call) or gguf (CPU only: a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q6_K / BF16 "
-                                     "matrices at their own bits, other types widened to the dtype with a warning)",
-                             QUANTIZATIONS)
+                                     "kvstrata's kernel runs them: on CPU, without --compile, unless --dtype float32 "
+                                     "asks for float32 math; else none), none (the dtype's own), int8 (CPU only: int8 "
+                                     "weights, activations quantized per call) or gguf (CPU only: a GGUF file's "
+                                     "Q4_0 / Q4_1 / Q8_0 / Q6_K / BF16 matrices at their own bits, other types "
+                                     "widened to the dtype with a warning)", QUANTIZATIONS)
     compile: bool = _opt(False, "torch.compile the decoder layers around attention at load (fewer ops per "
                                 "step; the first start compiles for about a minute, later ones read the cache)")
     batch_invariant: bool = _opt(False, "a bf16/fp16 model's greedy outputs independent of batching and "

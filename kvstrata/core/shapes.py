@@ -1,6 +1,6 @@
 """Real model shapes shipped with kvstrata: the `config.json` of models nobody can download here.
 
-`--load-format dummy --model llama-3.2-1b` builds one with random weights (kvstrata.model.dummy),
+`--load-format dummy --model llama-3.2-1b` builds one with random weights (kvstrata.model.sources.dummy),
 `kvstrata simulate --hardware h100 --model llama-3.2-1b` prices it on a roofline (kvstrata.sim.roofline),
 and the peers' scripts serve the same config. The files are the real models' configs (vocabulary, GQA,
 tied embeddings, RoPE scaling, biases), trimmed of nothing that changes the shape. Pure data: the

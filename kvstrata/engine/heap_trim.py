@@ -2,7 +2,7 @@
 
 glibc's malloc keeps what a process frees for its own reuse, and gives memory back to the OS only
 from the top of a heap. A server frees in the middle of its heaps all day: oneDNN's kernels that
-leave their bounded cache (kvstrata.model.onednn), store records queued while Redis was down, a
+leave their bounded cache (kvstrata.model.formats.onednn), store records queued while Redis was down, a
 step's activations of a size no later step asks for. In a 20-minute soak of `kvstrata serve` with
 the kernel caches bounded (issue 47), malloc's bytes in use held at ~510 MiB while its free bytes
 went 140 -> 227 MiB, and RSS with them: +6.8 MiB a minute. `malloc_trim(0)` releases the free

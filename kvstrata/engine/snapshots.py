@@ -33,6 +33,7 @@ class EngineInfo:
     vocab_size: int
     block_size: int
     hash_root: BlockHash
+    runs: Mapping[str, str]     # what the model runs: its weight format, dtype and step path (/v1/models says it)
 
 
 # Step durations, in seconds: `kvstrata_step_duration_seconds` (a decode of the default model on 2 cores

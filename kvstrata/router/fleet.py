@@ -253,8 +253,8 @@ def load_tokenizer(model: str | None) -> Any:
     from transformers import AutoTokenizer
 
     from kvstrata.core.config import cache_dir
-    from kvstrata.model import gguf_convert
     from kvstrata.model.loader import default_model_path, file_sha256
+    from kvstrata.model.sources import gguf_convert
 
     path = Path(model).expanduser() if model else default_model_path()
     if path.is_file() and path.suffix == ".gguf":

@@ -38,7 +38,7 @@ class BatchShape(NamedTuple):
     The measurements behind these terms: docs/design/simulator.md ("The cost model").
     Every prefill chunk also costs a fixed amount (its own SDPA call and plan in every layer).
     An engine whose decodes read their blocks in place (`in_place`: the paged kernel,
-    kvstrata.model.kernels) gathers only the groups' shared prefixes; each decode attends its own
+    kvstrata.model.kernels.paged) gathers only the groups' shared prefixes; each decode attends its own
     keys unpadded (16-key tiles from its group's prefix on), all decodes in one call per layer
     (one segment), and a lone decode is a step with a single decode (its kv heads are the only
     work items the threads share). Its prefill chunks, fresh or not, go through the kernel too

@@ -2,7 +2,7 @@
 
 A model too big for the machine must be refused at start with the figures and a way out, never
 killed by the OOM killer halfway through a load of several minutes. Counted on the host: the
-weights at their peak while loading (`kvstrata.model.footprint`), then the weights once loaded plus
+weights at their peak while loading (each weight format's `footprint`, kvstrata.model.formats), then the weights once loaded plus
 the device KV (on CPU the device tier is host memory) plus the host tier, plus `HEADROOM` for
 activations, the tokenizer and the interpreter. On CUDA the weights and the device KV are counted
 against the GPU's free memory and the host tier against the host's.
@@ -17,7 +17,7 @@ import torch
 from kvstrata.core.config import CacheConfig
 from kvstrata.core.machine import available_memory
 from kvstrata.kvcache.buffers import KVCacheSpec
-from kvstrata.model.footprint import weight_footprint
+from kvstrata.model.formats.dense import DenseFormat
 from kvstrata.model.loader import LoadPlan
 from kvstrata.worker.runner import device_blocks_for, host_blocks_for
 
@@ -27,7 +27,7 @@ HEADROOM = 512 * 1024**2          # activations of a 512-token step at 8B are ~0
 GiB = 1024**3
 
 
-def check_memory(plan: LoadPlan, cache: CacheConfig, quantization: str, available: int | None = None,
+def check_memory(plan: LoadPlan, cache: CacheConfig, available: int | None = None,
                  gpu_free: int | None = None) -> None:
     """ValueError, with the figures and what to change, when `plan` and `cache` cannot fit; `available`
     (host bytes) and `gpu_free` default to this machine's."""
@@ -53,10 +53,10 @@ def check_memory(plan: LoadPlan, cache: CacheConfig, quantization: str, availabl
         return
     raise ValueError(f"the model ({weights.parameters / 1e9:.2f}B parameters) does not fit in this machine's memory: "
                      f"it needs {_gib(need)} ({held}, {_gib(HEADROOM)} headroom) and {_gib(host_available)} is "
-                     f"available. {_ways_out(plan, quantization, kv, host, host_available)}")
+                     f"available. {_ways_out(plan, kv, host, host_available)}")
 
 
-def _ways_out(plan: LoadPlan, quantization: str, kv: int, host: int, available: int) -> str:
+def _ways_out(plan: LoadPlan, kv: int, host: int, available: int) -> str:
     """What to change: the KV sizes when the weights alone fit, bf16 weights if they fit, a smaller model."""
     ways = []
     weights = plan.footprint
@@ -64,10 +64,10 @@ def _ways_out(plan: LoadPlan, quantization: str, kv: int, host: int, available: 
         room = available - HEADROOM - weights.resident
         ways.append(f"a smaller --kv-cache-memory and --host-cache-memory (together at most {_gib(max(room, 0))})")
     # bf16 is the smallest load: int8 is made from float32 weights, so it peaks higher than float32 itself.
-    if plan.device.type == "cpu" and (plan.dtype, quantization) != (torch.bfloat16, "none"):
-        bf16 = weight_footprint(plan.arch, torch.bfloat16, "none", plan.device)
+    if plan.device.type == "cpu" and (plan.dtype, plan.quantization) != (torch.bfloat16, "none"):
+        bf16 = DenseFormat().footprint(plan.arch, torch.bfloat16, plan.device)
         if max(bf16.peak, bf16.resident + kv + host) + HEADROOM <= available:
-            flags = "--quantization none --dtype bfloat16" if quantization == "int8" else "--dtype bfloat16"
+            flags = "--quantization none --dtype bfloat16" if plan.quantization == "int8" else "--dtype bfloat16"
             ways.append(f"{flags} ({_gib(bf16.resident)} of weights)")
     ways.append("a smaller model")
     return "Ways out: " + "; ".join(ways) + "."

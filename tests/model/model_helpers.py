@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +14,12 @@ from transformers import LlamaConfig
 
 from kvstrata.core.machine import machine
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
-from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
 from kvstrata.model.loader import LoadedModel
+from kvstrata.model.network.forward_batch import DecodeGroup, ForwardBatch
+
+# For a test of our C++ kernels: they run here unless deliberately off (KVSTRATA_KERNELS=0); a kernel that fails
+# to build fails the test, never skips it.
+kernels_on = pytest.mark.skipif(os.environ.get("KVSTRATA_KERNELS") == "0", reason="KVSTRATA_KERNELS=0")
 
 
 def slow_without_native_bf16(test):

@@ -9,6 +9,7 @@ those with caching off (no block is shared, so no group can form)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from transformers import LlamaConfig
 from kvstrata.core.config import ModelConfig
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
-from kvstrata.model.forward_batch import DecodeGroup
 from kvstrata.model.loader import load_model
+from kvstrata.model.network.decoder import DecoderModel
+from kvstrata.model.network.forward_batch import DecodeGroup
 from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model
 
 ATOL = 1e-4          # float32 logits of magnitude ~10
@@ -48,8 +50,8 @@ def tiny(tiny_folder, request):
     loaded = load_model(ModelConfig(model=str(folder), dtype="float32", device="cpu"))
     assert loaded.model.attn.reads_in_place(BLOCK, torch.float32, torch.device("cpu")), \
         "the paged kernel did not build (see kvstrata.model.kernels)"
-    if request.param == "gathered":
-        loaded.model.attn.kernel = None
+    if request.param == "gathered":       # the same weights, assembled without the kernel
+        loaded.model = DecoderModel(loaded.model.parts, dataclasses.replace(loaded.model.kernels, paged=None))
     return loaded, hf
 
 
@@ -181,7 +183,7 @@ def test_float64_attention_gives_every_path_the_same_bits(tiny_folder, exact):
     a cached prefix against a one-piece prefill, give bit-identical float32 logits. Plain float32
     attention is shown to differ on the same work, so the test can tell the two apart."""
     loaded = load_model(ModelConfig(model=str(tiny_folder[0]), dtype="float32", device="cpu"))
-    loaded.model.attn.compute_dtype = torch.float64 if exact else None
+    loaded.model = DecoderModel(dataclasses.replace(loaded.model.parts, exact_attention=exact), loaded.model.kernels)
     rng, blocks = random.Random(5), Blocks(5)
     kv = new_cache(loaded, NUM_BLOCKS, BLOCK)
     tokens = [rng.randrange(VOCAB) for _ in range(90)]

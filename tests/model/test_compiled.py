@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvstrata.core.config import ModelConfig
-from kvstrata.model.compiled import WARM_UP_TOKENS
 from kvstrata.model.loader import load_model
+from kvstrata.model.network.compiled import WARM_UP_TOKENS
 from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model
 from tests.model.test_model import CONFIGS
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvstrata.core.config import EngineConfig, ModelConfig
-from kvstrata.model import dummy
-from kvstrata.model.footprint import weight_footprint
+from kvstrata.model.formats.dense import DenseFormat
 from kvstrata.model.loader import load_model, plan_load
+from kvstrata.model.sources import dummy
 
 TINY = dict(model_type="llama", vocab_size=50_000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=500000.0,
@@ -41,7 +41,7 @@ def test_shipped_shapes_are_the_real_models(name):
     arch = source.arch
     parameters = sum(torch.Size(shape).numel() for shape in dummy.tensor_shapes(arch).values())
     assert round(parameters / 1e9, 2) == REAL_SIZES[name]
-    assert weight_footprint(arch, torch.bfloat16, "none", torch.device("cpu")).parameters == parameters - sum(
+    assert DenseFormat().footprint(arch, torch.bfloat16, torch.device("cpu")).parameters == parameters - sum(
         shape[0] for key, shape in dummy.tensor_shapes(arch).items() if "norm" in key or key.endswith("bias"))
     assert arch.attention_bias == name.startswith("qwen")
     assert (arch.rope_scaling or {}).get("rope_type") == ("llama3" if name.startswith("llama") else None)

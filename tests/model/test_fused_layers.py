@@ -1,23 +1,27 @@
-"""A step's decoder layers in one C++ call (kvstrata.model.fused_layers) and RoPE with the K/V write in one
+"""A step's decoder layers in one C++ call (kvstrata.model.network.fused) and RoPE with the K/V write in one
 (`NormAct.rope_store`): the same bits as torch's ops and the Python loop, for every kind of step the engine
 runs, taken only where they can be."""
 
 from __future__ import annotations
+
+import ctypes
+import dataclasses
 
 import pytest
 import torch
 
 from kvstrata.core.config import ModelConfig
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
-from kvstrata.model.kernels import decoder_layers, gguf_matmul, norm_act, paged_decode
+from kvstrata.model.kernels import NormAct, face
 from kvstrata.model.loader import load_model
-from kvstrata.model.rope import apply_rotary
-from tests.model.model_helpers import (ALL_BF16, GGUF_MATRICES, TINY_LLAMA as TINY, Seq, new_cache, run_step,
-                                       tiny_gguf)
+from kvstrata.model.network.decoder import DecoderModel
+from kvstrata.model.network.fused import FusedLayers
+from kvstrata.model.network.rope import apply_rotary
+from kvstrata.model.network.steps import FusedLoop, KernelLoop, TorchLoop
+from tests.model.model_helpers import ALL_BF16, GGUF_MATRICES, Seq, kernels_on, new_cache, run_step, tiny_gguf
+from tests.model.model_helpers import TINY_LLAMA as TINY
 
-# loaded here, from the usual kernel cache (`make install` built them), before the tests' private caches
-pytestmark = pytest.mark.skipif(None in (norm_act(), decoder_layers(), gguf_matmul(), paged_decode()),
-                                reason="no C++ compiler here")
+pytestmark = kernels_on
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +42,7 @@ def test_rope_store_gives_the_bits_of_apply_rotary_and_the_cache_write(dtype):
     spec = KVCacheSpec(num_layers=1, num_kv_heads=kvh, head_dim=d, block_size=bs, dtype=dtype)
     ours, torchs = PagedKVCache(spec, 5), PagedKVCache(spec, 5)
     q = torch.empty(t, kvh, heads // kvh, d)
-    norm_act().rope_store(qkv, cos, sin, slots, ours.layer(0), q)
+    face(NormAct).rope_store(qkv, cos, sin, slots, ours.layer(0), q)
     qk = apply_rotary(qkv[:, :(heads + kvh) * d].reshape(t, heads + kvh, d), cos, sin)
     torchs.write(0, slots, qk[:, heads:], qkv[:, (heads + kvh) * d:].reshape(t, kvh, d))
     assert torch.equal(q.view(t, heads, d), qk[:, :heads].float())
@@ -57,16 +61,16 @@ def own_bits(tmp_path, request):
     return load_model(ModelConfig(model=str(path), quantization="gguf", dtype="bfloat16"))
 
 
-def run_steps(model, fused) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """Every kind of step the engine runs, with `fused` (or the Python loop, None): a whole prompt, decodes, a
-    chunk after cached context beside decodes, several rows of one sequence (a speculative verification). Returns
-    the logits, the cache and how many steps the fused call took."""
-    model.fused, calls = fused, [0]
-    if fused is not None:
-        def counted(*args, _call=type(fused).__call__):
-            calls[0] += 1
-            return _call(fused, *args)
-        model.fused = counted
+def run_steps(model, monkeypatch) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Every kind of step the engine runs: a whole prompt, decodes, a chunk after cached context beside decodes,
+    several rows of one sequence (a speculative verification). Returns the logits, the cache and how many steps
+    the fused call took."""
+    calls = [0]
+
+    def counted(*args, _call=FusedLayers.__call__):
+        calls[0] += 1
+        return _call(*args)
+    monkeypatch.setattr(FusedLayers, "__call__", counted)
     kv = PagedKVCache(KVCacheSpec.for_model(model.arch, 16, model.dtype), 12)
     a = Seq(list(range(3, 50)), blocks=[7, 2, 9, 4])
     b = Seq(list(range(60, 100)), blocks=[1, 11, 5])
@@ -78,41 +82,39 @@ def run_steps(model, fused) -> tuple[list[torch.Tensor], torch.Tensor, int]:
     run_step(model, kv, [(c, 20)])
     run_step(model, kv, [(a, 1), (b, 5), (c, 12)])              # a decode beside chunks after cached context
     run_step(model, kv, [(c, 4)])                               # rows of one sequence, as a verification
-    model.fused = fused
+    monkeypatch.undo()
     return [torch.stack(s.logits) for s in (a, b, c)], kv.data, calls[0]
 
 
-def test_the_fused_layers_give_the_python_loops_bits_for_every_kind_of_step(own_bits):
+def test_the_fused_layers_give_the_python_loops_bits_for_every_kind_of_step(own_bits, monkeypatch):
     model = own_bits.model
-    fused = model.fused
-    assert fused is not None, "every projection is at its bits: the layers should run in one call"
-    ours, ours_kv, calls = run_steps(model, fused)
-    plain, plain_kv, none = run_steps(model, None)
+    assert isinstance(model.loop, FusedLoop), "every projection is at its bits: the layers should run in one call"
+    python = DecoderModel(model.parts, dataclasses.replace(model.kernels, layers=None))    # the same weights
+    assert isinstance(python.loop, KernelLoop)
+    ours, ours_kv, calls = run_steps(model, monkeypatch)
+    plain, plain_kv, none = run_steps(python, monkeypatch)
     assert calls == 8 and none == 0
     assert all(torch.equal(x, y) for x, y in zip(ours, plain)) and torch.equal(ours_kv, plain_kv)
     assert ours_kv.abs().sum() > 0
 
 
-def test_the_fused_call_splits_its_time(own_bits):
-    import ctypes
-    model = own_bits.model
-    model.fused.seconds = (ctypes.c_double * 3)()
-    try:
-        run_steps(model, model.fused)
-        parts = list(model.fused.seconds)
-    finally:
-        model.fused.seconds = None
-    assert all(part > 0 for part in parts), parts           # projections, attention, the rest
+def test_the_fused_call_splits_its_time(own_bits, monkeypatch):
+    fused = own_bits.model.loop.fused
+    fused.seconds = (ctypes.c_double * 3)()
+    run_steps(own_bits.model, monkeypatch)
+    assert all(part > 0 for part in fused.seconds), list(fused.seconds)      # projections, attention, the rest
 
 
 def test_a_widened_projection_or_a_float32_model_keeps_the_python_loop(tmp_path):
     bits = {kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")}
     path = tiny_gguf(tmp_path / "widened", TINY, {**bits, "ffn_down": "F16"}, seed=5)
-    assert load_model(ModelConfig(model=str(path), quantization="gguf", dtype="bfloat16")).model.fused is None
+    assert isinstance(load_model(ModelConfig(model=str(path), quantization="gguf", dtype="bfloat16")).model.loop,
+                      KernelLoop)
     path = tiny_gguf(tmp_path / "own", TINY, {**bits, "ffn_down": "Q4_0"}, seed=5)
-    assert load_model(ModelConfig(model=str(path), quantization="gguf", dtype="float32")).model.fused is None
+    assert isinstance(load_model(ModelConfig(model=str(path), quantization="gguf", dtype="float32")).model.loop,
+                      TorchLoop)
     loaded = load_model(ModelConfig(model=str(path), quantization="gguf", dtype="bfloat16"))
-    assert loaded.model.fused is not None
+    assert isinstance(loaded.model.loop, FusedLoop)
     seq = Seq(list(range(3, 30)), blocks=[1, 0])
     run_step(loaded.model, new_cache(loaded, 2), [(seq, 27)])
     assert torch.isfinite(seq.logits[-1]).all()

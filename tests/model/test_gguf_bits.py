@@ -21,12 +21,13 @@ import torch
 from kvstrata.core.config import EngineConfig, ModelConfig
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.model.gguf_bits import BLOCK_BYTES, BLOCK_WEIGHTS, GGUFLinear, as_q4_1, kernel_level
-from kvstrata.model.linear import PackedLinear
+from kvstrata.model import kernels
+from kvstrata.model.formats.dense import PackedLinear
+from kvstrata.model.formats.gguf import GGUFLinear, as_q4_1
+from kvstrata.model.kernels.gguf import GGUF_TYPES
 from kvstrata.model.loader import load_model
-from tests.model.model_helpers import (ALL_BF16, GGUF_MATRICES, TINY_LLAMA as TINY, Seq, new_cache, run_step,
-                                       save_tiny_hf_model, tiny_gguf)
-
+from tests.model.model_helpers import ALL_BF16, GGUF_MATRICES, Seq, new_cache, run_step, save_tiny_hf_model, tiny_gguf
+from tests.model.model_helpers import TINY_LLAMA as TINY
 
 
 @pytest.fixture(autouse=True)
@@ -59,16 +60,20 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xb * inverse) * d).view_as(x).double()
 
 
-@pytest.mark.parametrize("kind", list(BLOCK_BYTES))
+def at_each_level(kind: str, raw: torch.Tensor, bias: torch.Tensor | None = None) -> list[GGUFLinear]:
+    """The matrix packed by the kernel built for each ISA level this CPU can run (kvstrata.model.kernels.isa)."""
+    return [GGUFLinear.from_rows(kind, raw, bias, kernels.face(kernels.GGUFMatmul, level)) for level in kernels.isa.levels_here()]
+
+
+@pytest.mark.parametrize("kind", list(GGUF_TYPES))
 def test_the_kernel_multiplies_by_what_gguf_py_dequantizes_and_every_path_gives_the_same_bits(kind):
     raw, weights = quantized(kind, (72, 256), seed=1)           # 72 rows: a last tile of 8
     bias = torch.randn(72)
     x = torch.randn(9, 256)
     x[4, :32] = 0.0                                             # an all-zero activation block
     assert weights.abs().max() > 0 and float(weights[3].abs().max()) == 0.0
-    levels = range(kernel_level() + 1)
-    outs = [GGUFLinear.from_rows(kind, raw, bias, level=level)(x) for level in levels]
-    assert len(outs) >= 3 or kernel_level() < 2                 # on an AVX-512 VNNI CPU all three (four) ran
+    outs = [linear(x) for linear in at_each_level(kind, raw, bias)]
+    assert len(outs) >= 4 or kernels.level() < kernels.Level.AVX512_VNNI    # on AVX-512 VNNI every path ran
     assert all(torch.equal(out, outs[0]) for out in outs), "the ISA paths differ"
     y = outs[-1]
     exact = (x.double() if kind == "BF16" else int8_blocks(x)) @ weights.t() + bias.double()
@@ -81,30 +86,30 @@ def test_the_kernel_multiplies_by_what_gguf_py_dequantizes_and_every_path_gives_
     assert (y.double() - plain).abs().max() <= 2e-2 * plain.abs().max()
     linear = GGUFLinear.from_rows(kind, raw, bias)
     assert torch.equal(linear(x[:1]), y[:1]) and torch.equal(linear(x[3:8]), y[3:8])
-    file_bytes = 80 * 256 * (BLOCK_BYTES[kind] / BLOCK_WEIGHTS[kind] if kind != "Q6_K" else 1.125)   # rows to 16
+    facts = GGUF_TYPES[kind]
+    file_bytes = 80 * 256 * (facts.block_bytes / facts.block_weights if kind != "Q6_K" else 1.125)   # rows to 16
     assert linear.nbytes == file_bytes
     unbiased, xb = GGUFLinear.from_rows(kind, raw), x.bfloat16()   # bf16 in, bf16 out: the float32 sums rounded once
     assert torch.equal(unbiased(xb), unbiased(xb.float()).bfloat16())
 
 
 def test_bf16_rows_get_the_bits_of_vdpbf16ps_on_every_path():
-    """VDPBF16PS (level 3) flushes denormals: the FMA paths do too, so products below float32's normal range
-    sum to exactly 0 on every path, and ordinary rows give the same bits whatever path and dtype they take."""
+    """VDPBF16PS (the AVX512-BF16 level) flushes denormals: the FMA paths do too, so products below float32's normal
+    range sum to exactly 0 on every path, and ordinary rows give the same bits whatever path and dtype they take."""
     raw, _ = quantized("BF16", (40, 96), seed=6)
     x = torch.randn(5, 96).bfloat16()
     tiny = torch.full((16, 96), 2.0 ** -70).bfloat16().view(torch.uint8).reshape(16, -1)
-    levels = range(kernel_level() + 1)
-    outs = [GGUFLinear.from_rows("BF16", raw, level=level)(x) for level in levels]
-    floats = [GGUFLinear.from_rows("BF16", raw, level=level)(x.float()) for level in levels]
+    linears = at_each_level("BF16", raw)
+    outs, floats = [linear(x) for linear in linears], [linear(x.float()) for linear in linears]
     assert all(torch.equal(out, outs[0]) for out in outs) and all(torch.equal(f, floats[0]) for f in floats)
     assert torch.equal(outs[0], floats[0].bfloat16()) and outs[0].abs().max() > 0
-    for level in levels:                                         # each product 2^-140: denormal, flushed
-        assert GGUFLinear.from_rows("BF16", tiny, level=level)(x.abs() * 2.0 ** -70).abs().max() == 0, level
+    for level, linear in zip(kernels.isa.levels_here(), at_each_level("BF16", tiny)):   # each product 2^-140:
+        assert linear(x.abs() * 2.0 ** -70).abs().max() == 0, level                      # denormal, flushed
 
 
 def test_packed_weights_start_on_a_huge_page():
     """Big packed matrices are 2 MiB aligned and marked for transparent huge pages (fewer TLB misses per step)."""
-    from kvstrata.model.kernels import HUGE_PAGE, huge_page_bytes
+    from kvstrata.model.kernels.memory import HUGE_PAGE, huge_page_bytes
     big, small = huge_page_bytes(3 * HUGE_PAGE + 5), huge_page_bytes(1000)
     assert big.numel() == 3 * HUGE_PAGE + 5 and small.numel() == 1000
     assert big.data_ptr() % HUGE_PAGE == 0
@@ -123,14 +128,17 @@ def test_q4_0_rows_as_q4_1_are_the_same_weights():
     assert (GGUFLinear.from_rows("Q4_1", as_q4_1(raw))(x).double() - exact).abs().max() <= 1e-6 * exact.abs().max()
 
 
-# In a child whose CPU is capped at AVX2 (kvstrata.core.machine.isa_cap_environ): the kernel takes its AVX2 path
-# and gives the bits the uncapped process gives.
+# In a child whose CPU is capped at AVX2 (kvstrata.core.machine.isa_cap_environ): every kernel takes its AVX2 build
+# and the GGUF kernel gives the bits the uncapped process gives.
 CAPPED_CHECK = """
 import json, sys, torch
 from kvstrata.core.machine import machine
-from kvstrata.model.gguf_bits import GGUFLinear, kernel_level
+from kvstrata.model import kernels
+from kvstrata.model.formats.gguf import GGUFLinear
 kind, raw, x = torch.load(sys.argv[1])
-print(json.dumps({"isa": machine().isa, "level": kernel_level(), "y": GGUFLinear.from_rows(kind, raw)(x).tolist()}))
+linear = GGUFLinear.from_rows(kind, raw)
+print(json.dumps({"isa": machine().isa, "level": kernels.level().label, "built": linear.kernel.lib.level,
+                  "y": linear(x).tolist()}))
 """
 
 
@@ -144,7 +152,7 @@ def test_the_kernel_under_an_avx2_cap(tmp_path, kind):
                           env={**os.environ, **isa_cap_environ("avx2")}, capture_output=True, text=True,
                           timeout=120, check=True, cwd=Path(__file__).resolve().parents[2])
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "avx512f" not in seen["isa"] and seen["level"] == 1, seen
+    assert "avx512f" not in seen["isa"] and seen["level"] == "avx2" and seen["built"] == kernels.Level.AVX2, seen
     assert torch.equal(torch.tensor(seen["y"]), GGUFLinear.from_rows(kind, raw)(x))
 
 
@@ -158,7 +166,7 @@ def quantized_gguf(tmp_path):
 
 
 def test_a_gguf_is_served_at_its_own_bits_and_other_types_widened_with_a_warning(quantized_gguf, caplog):
-    with caplog.at_level(logging.WARNING, logger="kvstrata.model.loader"):
+    with caplog.at_level(logging.WARNING):
         own = load_model(ModelConfig(model=str(quantized_gguf), quantization="gguf", dtype="float32"))
     widened = load_model(ModelConfig(model=str(quantized_gguf), quantization="none", dtype="float32"))
     layer = own.model.layers[0].projections

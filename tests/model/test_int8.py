@@ -11,16 +11,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from kvstrata.core.config import EngineConfig, ModelConfig
 from kvstrata.core.machine import ISA_CAPS
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.model import int8_choice
-from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, available_kernels, weight_bits
-from kvstrata.model.int8_choice import KernelTrial
-from kvstrata.model.llama import LlamaModel
+from kvstrata.model.arch import tensors as names
+from kvstrata.model.formats import int8_choice
+from kvstrata.model.formats.base import Checkpoint, Norms, Packed
+from kvstrata.model.formats.dense import DenseLinear
+from kvstrata.model.formats.int8_choice import KernelTrial
+from kvstrata.model.formats.int8_kernels import (
+    INT8_KERNELS,
+    DynamicLinear,
+    Int8Rows,
+    IntMMLinear,
+    available_kernels,
+    weight_bits,
+)
+from kvstrata.model.formats.smoothquant import FloatModel, calibration_ids, input_maxima, smooth
 from kvstrata.model.loader import load_model
-from kvstrata.model.quantize import calibration_ids, input_maxima, smooth
+from kvstrata.model.network.decoder import DecoderModel, Kernels, ModelParts
 from tests.engine.test_engine import GREEDY, shared_prefix_prompts, token_ids
 from tests.model.model_helpers import Seq, new_cache, run_step, save_tiny_hf_model
 from tests.model.test_model import CONFIGS
@@ -96,14 +107,14 @@ import json, sys, torch
 sys.path.insert(0, {root!r})
 from tests.model.test_int8 import exact_int8, small_layer
 from kvstrata.core.machine import machine
-from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, available_kernels, weight_bits
-from kvstrata.model.loader import resolve_dtype
+from kvstrata.model.formats.int8_kernels import INT8_KERNELS, Int8Rows, available_kernels, weight_bits
+from kvstrata.model.formats.dense import native_bf16
 w, bias, x = small_layer()
 ref = torch.nn.functional.linear(x, w, bias).double()
 rows = Int8Rows.from_float(w, bias, weight_bits())
 errors = {{k: float((INT8_KERNELS[k](rows)(x) - exact_int8(rows, x)).norm() / ref.norm()) for k in available_kernels()}}
 print(json.dumps({{"isa": machine().isa, "kernels": available_kernels(), "errors": errors, "bits": weight_bits(),
-                  "dtype": str(resolve_dtype("auto", torch.device("cpu")))}}))
+                  "native_bf16": native_bf16()}}))
 """
 
 
@@ -118,7 +129,7 @@ def test_int8_kernels_under_a_forced_isa(cap):
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["isa"] == list(ISA_CAPS[cap])
     assert seen["kernels"] and all(error < 1e-4 for error in seen["errors"].values()), seen
-    assert seen["dtype"] == "torch.float32"                          # neither cap has native bf16
+    assert not seen["native_bf16"]                                   # neither cap has native bf16
     if cap == "avx2":
         assert "int_mm" not in seen["kernels"]                       # its int16 pair sums saturate there
         assert seen["bits"] == 7
@@ -158,25 +169,40 @@ def test_the_choice_is_the_fastest_accurate_kernel_and_warns_when_float_is_faste
 @pytest.mark.parametrize("name", ["llama-bias", "qwen2", "mha-head-dim"])
 def test_smoothing_leaves_the_float_model_unchanged(tmp_path, monkeypatch, name):
     save_tiny_hf_model(tmp_path, CONFIGS[name]())
-    monkeypatch.setattr(LlamaModel, "pack_projections", lambda model: None)   # smoothing needs the float rows
     loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32", device="cpu"))
+    a, cpu = loaded.arch, torch.device("cpu")
+    checkpoint = Checkpoint(dict(load_file(tmp_path / "model.safetensors")), torch.float32, cpu)   # the float rows
+    embeddings = checkpoint.take(names.EMBEDDINGS)
+    norms = Norms([checkpoint.take(names.norms(i)["input_norm"]) for i in range(a.num_layers)],
+                  [checkpoint.take(names.norms(i)["post_norm"]) for i in range(a.num_layers)],
+                  checkpoint.take(names.FINAL_NORM))
+    biases = {"qkv": a.attention_bias, "o": a.attention_out_bias, "gate_up": False, "down": False}
+    model = FloatModel([{p: DenseLinear(checkpoint.matrix(i, p), checkpoint.bias(i, p, biases[p]))
+                         for p in names.PROJECTIONS} for i in range(a.num_layers)],
+                       DenseLinear(embeddings if a.tie_word_embeddings else checkpoint.take(names.LM_HEAD), None))
     tokens = list(range(3, 40))
-    before = logits_of(loaded, tokens)
-    maxima, head_max = input_maxima(loaded.model, calibration_ids(None, loaded.arch, 64))
+
+    def run(packed: Packed, ids: list[int] = tokens) -> torch.Tensor:
+        return DecoderModel(ModelParts(a, torch.float32, cpu, embeddings, norms, packed, True, False),
+                            Kernels()).prefill_alone(ids)
+
+    before = run(model)
+    torch.testing.assert_close(before, logits_of(loaded, tokens), atol=1e-4, rtol=1e-4)   # the float model
+    maxima, head_max = input_maxima(model, lambda packed: run(packed, calibration_ids(None, a, 64)))
     assert all(m.min() > 0 for layer in maxima for m in layer.values()) and head_max.min() > 0
-    smooth(loaded.model, maxima, head_max, {name: 0.6 for name in ("qkv", "o", "gate_up", "down", "head")})
-    torch.testing.assert_close(logits_of(loaded, tokens), before, atol=1e-4, rtol=1e-4)
+    smooth(model, norms, a, maxima, head_max, {name: 0.6 for name in ("qkv", "o", "gate_up", "down", "head")})
+    torch.testing.assert_close(run(model), before, atol=1e-4, rtol=1e-4)
 
 
-def test_int8_logits_close_to_float32(smollm2, smollm2_int8):
-    tokens = smollm2.tokenizer(TEXT.read_text()[:3000])["input_ids"][:256]
-    ref, ours = logits_of(smollm2, tokens), logits_of(smollm2_int8, tokens)
+def test_int8_logits_close_to_float32(smollm2_fp32, smollm2_int8):
+    tokens = smollm2_fp32.tokenizer(TEXT.read_text()[:3000])["input_ids"][:256]
+    ref, ours = logits_of(smollm2_fp32, tokens), logits_of(smollm2_int8, tokens)
     assert (ours - ref).abs().mean() < MEAN_ABS_DIFF_OF_STD * ref.std()
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= TOP1_AGREEMENT
     kl = torch.nn.functional.kl_div(ours.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                     reduction="batchmean")
     assert kl < MEAN_KL
-    assert smollm2_int8.model.step_weight_bytes() < smollm2.model.step_weight_bytes() / 3.5
+    assert smollm2_int8.model.step_weight_bytes() < smollm2_fp32.model.step_weight_bytes() / 3.5
 
 
 def test_int8_state_is_cached_and_reloads_identically(tmp_path, monkeypatch):
@@ -194,7 +220,8 @@ def test_int8_state_is_cached_and_reloads_identically(tmp_path, monkeypatch):
     assert second.fingerprint == first.fingerprint and second.int8 == first.int8
     tokens = list(range(5, 30))
     assert torch.equal(logits_of(second, tokens), logits_of(first, tokens))
-    assert first.model.layers[0].qkv is None                         # the float weights are gone
+    assert all(isinstance(p, (IntMMLinear, DynamicLinear))              # int8 rows, no float weights
+               for p in first.model.parts.packed.in_call_order())
     # Another kernel rounds differently: the same int8 rows, another fingerprint (no KV crosses).
     other = next(k for k in available_kernels() if k != first.int8.kernel)
     monkeypatch.setenv("KVSTRATA_INT8_KERNEL", other)
@@ -228,8 +255,8 @@ def test_int8_greedy_outputs_identical_with_caching_on_and_off(smollm2_int8):
     assert sum(o.num_cached_tokens for o in outputs) > 0
 
 
-def test_int8_and_float32_engines_sharing_a_store_never_hit_each_other(smollm2, smollm2_int8, tmp_path):
-    assert smollm2.fingerprint != smollm2_int8.fingerprint
+def test_int8_and_float32_engines_sharing_a_store_never_hit_each_other(smollm2_fp32, smollm2_int8, tmp_path):
+    assert smollm2_fp32.fingerprint != smollm2_int8.fingerprint
     prompt = "The history of the Loire valley is long: castles, vineyards and rivers shaped it. " * 3
 
     def run(loaded):
@@ -241,11 +268,11 @@ def test_int8_and_float32_engines_sharing_a_store_never_hit_each_other(smollm2, 
         engine.close()
         return out.new_token_ids, stats.hit_tokens["store"], sum(stats.load_failures.values())
 
-    fp32_tokens, hits, failures = run(smollm2)                       # writes fp32 records
+    fp32_tokens, hits, failures = run(smollm2_fp32)                       # writes fp32 records
     assert hits == 0 and failures == 0
     int8_tokens, hits, failures = run(smollm2_int8)                  # finds none of them
     assert hits == 0 and failures == 0
-    again_tokens, hits, _ = run(smollm2)                             # its own records are still there
+    again_tokens, hits, _ = run(smollm2_fp32)                             # its own records are still there
     assert hits >= 48 and again_tokens == fp32_tokens
     again_int8, hits, _ = run(smollm2_int8)
     assert hits >= 48 and again_int8 == int8_tokens

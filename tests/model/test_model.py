@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
 from kvstrata.core.config import ModelConfig
-from kvstrata.model.linear import DenseLinear, PackedLinear, can_pack
+from kvstrata.model.formats.dense import DenseLinear, PackedLinear, can_pack
 from kvstrata.model.loader import load_model
 from tests.model.model_helpers import Seq, greedy_chat, new_cache, run_step, save_tiny_hf_model
 
@@ -149,25 +149,25 @@ def test_bfloat16_stays_close_to_float32(tiny_models, tmp_path):
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-# --- SmolLM2-135M-Instruct from its GGUF (the `smollm2` session fixture is in conftest.py) -------
+# --- SmolLM2-135M-Instruct from its GGUF (the `smollm2_fp32` session fixture is in conftest.py) -------
 
 
-def test_smollm2_logits_match_transformers_on_the_converted_weights(smollm2):
-    hf = LlamaForCausalLM.from_pretrained(smollm2.folder, dtype=torch.float32).eval()
-    text = smollm2.tokenizer.apply_chat_template(
+def test_smollm2_logits_match_transformers_on_the_converted_weights(smollm2_fp32):
+    hf = LlamaForCausalLM.from_pretrained(smollm2_fp32.folder, dtype=torch.float32).eval()
+    text = smollm2_fp32.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a haiku about paging."}], add_generation_prompt=True,
         tokenize=False)
-    tokens = smollm2.tokenizer(text, add_special_tokens=False)["input_ids"]
+    tokens = smollm2_fp32.tokenizer(text, add_special_tokens=False)["input_ids"]
     seq = Seq(tokens, blocks=[7, 2, 5, 0, 3, 6, 1, 4][: -(-len(tokens) // 16)])
-    kv = new_cache(smollm2, 8, 16)
-    run_step(smollm2.model, kv, [(seq, len(tokens) - 5)])
+    kv = new_cache(smollm2_fp32, 8, 16)
+    run_step(smollm2_fp32.model, kv, [(seq, len(tokens) - 5)])
     for _ in range(5):
-        run_step(smollm2.model, kv, [(seq, 1)])
+        run_step(smollm2_fp32.model, kv, [(seq, 1)])
     torch.testing.assert_close(torch.stack(seq.logits), hf_logits(hf, tokens), atol=1e-3, rtol=0)
 
 
-def test_smollm2_greedy_answer_names_paris(smollm2):
-    answer = greedy_chat(smollm2, "What is the capital of France?")
+def test_smollm2_greedy_answer_names_paris(smollm2_fp32):
+    answer = greedy_chat(smollm2_fp32, "What is the capital of France?")
     assert "Paris" in answer, answer
 
 

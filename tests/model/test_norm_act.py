@@ -1,8 +1,10 @@
-"""Our bf16 RMSNorm and SiLU-and-multiply kernels (kvstrata/model/csrc/norm_act.cpp): what torch's ops
-compute, rounded where they round, a row's result independent of its batch, and used by a bf16 model
-on the CPU except where exactness or --compile keeps torch's ops."""
+"""Our bf16 RMSNorm and SiLU-and-multiply kernels (kvstrata/model/kernels/csrc/norm_act.cpp): what torch's ops
+compute, rounded where they round, at every ISA level this CPU runs, a row's result independent of its batch, and
+used by a bf16 model on the CPU except where exactness or --compile keeps torch's ops."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -10,16 +12,18 @@ import torch.nn.functional as F
 
 from kvstrata.core.config import ModelConfig
 from kvstrata.model import kernels
-from kvstrata.model.llama import rms_norm
 from kvstrata.model.loader import load_model
+from kvstrata.model.network.decoder import DecoderModel
+from kvstrata.model.network.layer import rms_norm
+from tests.model.model_helpers import kernels_on
+
+pytestmark = kernels_on
 
 
-@pytest.fixture(scope="module")
-def fused() -> kernels.NormAct:
-    built = kernels.norm_act()
-    if built is None:
-        pytest.skip("the norm/activation kernels did not build (see kvstrata.model.kernels)")
-    return built
+@pytest.fixture(scope="module", params=kernels.isa.levels_here(), ids=lambda level: level.label)
+def fused(request) -> kernels.NormAct:
+    """The kernels built for each ISA level this CPU can run."""
+    return kernels.face(kernels.NormAct, request.param)
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -76,23 +80,21 @@ def test_extreme_values(fused):
     assert torch.equal(fused.silu_mul(gate_up), F.silu(gate) * 1)
 
 
-def test_a_bf16_model_uses_them_except_exact_or_compiled(fused):
+def test_a_bf16_model_uses_them_except_exact_or_compiled():
     """The default bf16 model on the CPU takes the kernels (its fingerprint says so: its KV's last bits
     are theirs); float32 and --batch-invariant keep torch's ops (so does --compile: the loader does not ask);
     logits stay within bf16's noise of the ops' and greedy tokens equal."""
     def load(**options):
         return load_model(ModelConfig(device="cpu", quantization="none", **options))   # the float path under test
 
-    plain = load(dtype="bfloat16")
+    plain, fused = load(dtype="bfloat16"), kernels.face(kernels.NormAct)
     assert plain.model.norm_act is fused and all(layer.norm_act is fused for layer in plain.model.layers)
     assert load(dtype="float32").model.norm_act is None
     exact = load(dtype="bfloat16", batch_invariant=True)
     assert exact.model.norm_act is None and exact.fingerprint != plain.fingerprint
     ids = plain.tokenizer.encode("The capital of France is a city that")
     with_kernels = plain.model.prefill_alone(ids)
-    plain.model.norm_act = None
-    for layer in plain.model.layers:
-        layer.norm_act = None
-    with_ops = plain.model.prefill_alone(ids)
+    ops = DecoderModel(plain.model.parts, dataclasses.replace(plain.model.kernels, norm_act=None, layers=None))
+    with_ops = ops.prefill_alone(ids)
     assert torch.equal(with_kernels.argmax(-1), with_ops.argmax(-1))
     assert float((with_kernels - with_ops).abs().max()) < 0.25

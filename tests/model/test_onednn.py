@@ -1,4 +1,4 @@
-"""oneDNN's kernel caches are bounded (kvstrata.model.onednn): the variables do bound them in this torch,
+"""oneDNN's kernel caches are bounded (kvstrata.model.formats.onednn): the variables do bound them in this torch,
 and kvstrata sets them before its first kernel."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.model.onednn import CACHE_VARIABLES, KERNEL_CACHE_ENTRIES
+from kvstrata.model.formats.onednn import CACHE_VARIABLES, KERNEL_CACHE_ENTRIES
 
 # A fresh process (each library reads its variable at its first kernel): a small packed projection
 # called with 400 row counts it has not seen, and malloc's bytes in use before and after.
@@ -20,8 +20,8 @@ NEW_ROW_COUNTS = """
 import ctypes, json, sys
 sys.path.insert(0, {root!r})
 import torch
-from kvstrata.model.linear import DenseLinear, PackedLinear, can_pack
-from kvstrata.model.onednn import bound_kernel_caches
+from kvstrata.model.formats.dense import DenseLinear, PackedLinear, can_pack
+from kvstrata.model.formats.onednn import bound_kernel_caches
 if {bound!r}:
     bound_kernel_caches(32)
 
@@ -73,7 +73,7 @@ def test_kvstrata_sets_the_bound_before_its_first_kernel(monkeypatch):
     import torch
 
     from kvstrata.entrypoints.cli.main import main
-    from kvstrata.model.linear import DenseLinear, PackedLinear, can_pack
+    from kvstrata.model.formats.dense import DenseLinear, PackedLinear, can_pack
 
     for name in CACHE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -91,7 +91,7 @@ def test_kvstrata_sets_the_bound_before_its_first_kernel(monkeypatch):
 
 
 def test_an_operators_setting_wins(monkeypatch):
-    from kvstrata.model.onednn import bound_kernel_caches
+    from kvstrata.model.formats.onednn import bound_kernel_caches
 
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)

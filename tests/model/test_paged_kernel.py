@@ -1,4 +1,4 @@
-"""The paged decode kernel (kvstrata/model/csrc/paged_attention.cpp) against float64 attention.
+"""The paged decode kernel (kvstrata/model/kernels/csrc/paged_attention.cpp) against float64 attention.
 
 It reads K/V from the cache through block tables and returns each query row's output and
 log-sum-exp; model-level equality with the torch path is in test_cascade.py (both paths) and
@@ -8,22 +8,37 @@ skipping them (set KVSTRATA_KERNELS=0 to run without it, and the kernel tests ar
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
 
 from kvstrata.model import kernels
 from kvstrata.sim.batch_shape import KERNEL_TILE
+from tests.model.model_helpers import kernels_on
 
-pytestmark = pytest.mark.skipif(os.environ.get("KVSTRATA_KERNELS") == "0", reason="KVSTRATA_KERNELS=0")
+pytestmark = kernels_on
+# This CPU's own build, and (in the slow suite: a build each) the lower ISA levels it can also run.
+LEVELS = [pytest.param(level, marks=[] if level == kernels.level() else [pytest.mark.slow], id=level.label)
+          for level in kernels.isa.levels_here()]
 
 
-@pytest.fixture(scope="module")
-def kernel() -> kernels.PagedDecode:
-    built = kernels.paged_decode()
+@pytest.fixture(scope="module", params=LEVELS)
+def kernel(request) -> kernels.PagedDecode:
+    built = kernels.face(kernels.PagedDecode, request.param)
     assert built is not None, "the paged kernel did not build: is g++ installed?"
     return built
+
+
+def test_every_level_with_fma_gives_this_cpus_bits(kernel):
+    """The ISA levels differ in instructions, not in roundings, but for the baseline build, which has no FMA."""
+    q, kv, tables, first, lens = random_case(torch.bfloat16, 16, 3, 64, seed=7)
+    outs = []
+    for built in (kernel, kernels.face(kernels.PagedDecode)):
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+        built(q, kv, tables, first, lens, 0.125, out, lse)
+        outs.append((out, lse))
+    same = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert same == (kernel.lib.level >= kernels.Level.AVX2)
 
 
 def reference(q, kv, tables, first, lens):
@@ -132,31 +147,6 @@ def test_shapes_it_cannot_read_take_the_torch_path(kernel):
     assert not kernel.supports(torch.float32, 3, 64, 16, torch.device("meta"))
 
 
-def test_without_the_kernel_decodes_are_gathered(monkeypatch):
-    kernels.paged_decode.cache_clear()
-    monkeypatch.setenv("KVSTRATA_KERNELS", "0")
-    try:
-        assert kernels.paged_decode() is None
-    finally:
-        kernels.paged_decode.cache_clear()
-
-
-def test_a_failing_build_leaves_the_torch_path_and_says_why(monkeypatch, tmp_path, caplog):
-    """A compiler that fails (here `false`) and one that is missing: no kernel, a warning, nothing cached."""
-    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path))
-    for compiler in ("false", str(tmp_path / "no-such-g++")):
-        monkeypatch.setenv("CXX", compiler)
-        kernels.paged_decode.cache_clear()
-        try:
-            with caplog.at_level("WARNING", logger=kernels.__name__):
-                assert kernels.paged_decode() is None
-        finally:
-            kernels.paged_decode.cache_clear()
-        assert "paged attention kernel unavailable" in caplog.text
-        caplog.clear()
-    assert not list((tmp_path / "kernels").glob("*.so"))
-
-
 def test_the_simulator_counts_the_kernel_tile(kernel):
     assert kernel.lanes == KERNEL_TILE
 
@@ -164,7 +154,6 @@ def test_the_simulator_counts_the_kernel_tile(kernel):
 def test_exact_attention_in_the_kernel_enters_the_fingerprint(kernel, monkeypatch):
     """Exact sums give other last bits in the kernel than in float64, so engines with and without the
     kernel never share KV under them; plain bf16 (not exact either way) keeps one fingerprint."""
-    import kvstrata.model.attention as attention
     from kvstrata.core.config import ModelConfig
     from kvstrata.model.loader import load_model
 
@@ -173,6 +162,7 @@ def test_exact_attention_in_the_kernel_enters_the_fingerprint(kernel, monkeypatc
                 for exact in (True, False)]
 
     with_kernel = fingerprints()
-    monkeypatch.setattr(attention, "paged_decode", lambda: None)
+    face = kernels.face
+    monkeypatch.setattr(kernels, "face", lambda kind, at=None: None if kind is kernels.PagedDecode else face(kind, at))
     without = fingerprints()
     assert with_kernel[0] != without[0] and with_kernel[1] == without[1]

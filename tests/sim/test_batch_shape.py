@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
-from kvstrata.model.attention import PagedAttention
+from kvstrata.model import kernels
+from kvstrata.model.network.attention import PagedAttention
 from kvstrata.sim.batch_shape import KERNEL_TILE, BatchShape, causal_pairs
 from kvstrata.worker.runner import ModelRunner
 
@@ -69,9 +70,8 @@ def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, i
                                   group_cost_tokens(in_place))
     ordered = [decodes[i] for i in order] + [c for c in chunks if c.num_tokens != 1]
     batch = ModelRunner.build_batch(SimpleNamespace(block_size=BS, device=torch.device("cpu")), ordered, groups)
-    attention = PagedAttention(num_heads=9, num_kv_heads=3, head_dim=64)
-    if not in_place:
-        attention.kernel = None
+    attention = PagedAttention(num_heads=9, num_kv_heads=3, head_dim=64,
+                               kernel=kernels.face(kernels.PagedDecode) if in_place else None)
     assert attention.reads_in_place(BS, torch.float32, torch.device("cpu")) == in_place
     plan = attention.plan(batch, BS, num_blocks=1024, dtype=torch.float32)
     planes = 2 * 3

@@ -19,7 +19,7 @@ def plan(model: str, **options):
 
 def test_the_8b_shape_in_int8_is_refused_on_24_gib_with_the_figures():
     with pytest.raises(ValueError) as refused:
-        check_memory(plan("llama-3.1-8b", quantization="int8"), CacheConfig(), "int8", available=MACHINE)
+        check_memory(plan("llama-3.1-8b", quantization="int8"), CacheConfig(), available=MACHINE)
     message = str(refused.value)
     assert "8.03B parameters" in message and "float32 weights before int8" in message
     assert "23.0 GiB is available" in message
@@ -27,7 +27,7 @@ def test_the_8b_shape_in_int8_is_refused_on_24_gib_with_the_figures():
 
 
 def test_the_1b_shape_fits_with_tiers():
-    check_memory(plan("llama-3.2-1b", dtype="bfloat16"), CacheConfig(host_cache_memory=4 * GiB), "none",
+    check_memory(plan("llama-3.2-1b", dtype="bfloat16"), CacheConfig(host_cache_memory=4 * GiB),
                  available=MACHINE)
 
 
@@ -35,12 +35,12 @@ def test_a_kv_budget_too_big_says_how_much_room_is_left():
     with pytest.raises(ValueError, match=r"smaller --kv-cache-memory and --host-cache-memory \(together at most"):
         check_memory(plan("llama-3.2-1b", dtype="bfloat16"), CacheConfig(kv_cache_memory=16 * GiB,
                                                                           host_cache_memory=8 * GiB),
-                     "none", available=MACHINE)
+                     available=MACHINE)
 
 
 def test_float32_too_big_suggests_bfloat16():
     with pytest.raises(ValueError, match=r"Ways out: --dtype bfloat16 \(6.7 GiB of weights\); a smaller model\."):
-        check_memory(plan("llama-3.2-3b", dtype="float32"), CacheConfig(), "none", available=10 * GiB)
+        check_memory(plan("llama-3.2-3b", dtype="float32"), CacheConfig(), available=10 * GiB)
 
 
 def test_the_engine_refuses_before_loading(monkeypatch):

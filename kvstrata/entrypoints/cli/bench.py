@@ -138,8 +138,8 @@ def _decoder(args: argparse.Namespace) -> Callable[[Sequence[int]], str] | None:
 def default_model_folder() -> Path:
     """The HF-format folder kvstrata converts its default GGUF into (weights, config, tokenizer)."""
     from kvstrata.core.config import cache_dir
-    from kvstrata.model import gguf_convert
     from kvstrata.model.loader import default_model_path, file_sha256
+    from kvstrata.model.sources import gguf_convert
 
     path = default_model_path()
     return gguf_convert.ensure_converted(path, cache_dir(), file_sha256(path))

@@ -6,14 +6,14 @@ import argparse
 import logging
 import sys
 
+from kvstrata.engine.heap_trim import pin_mmap_threshold
 from kvstrata.entrypoints.cli.bench import add_bench
 from kvstrata.entrypoints.cli.calibrate import add_calibrate
 from kvstrata.entrypoints.cli.generate import add_generate
 from kvstrata.entrypoints.cli.router import add_router
 from kvstrata.entrypoints.cli.serve import add_serve
-from kvstrata.entrypoints.cli.simulate import add_simulate
-from kvstrata.engine.heap_trim import pin_mmap_threshold
-from kvstrata.model.onednn import bound_kernel_caches
+from kvstrata.entrypoints.cli.simulate_flags import add_simulate
+from kvstrata.model.formats.onednn import bound_kernel_caches
 
 COMMANDS = [add_generate, add_serve, add_router, add_simulate, add_calibrate, add_bench]
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     pin_mmap_threshold()        # before the first big buffer is freed (kvstrata.engine.heap_trim)
-    bound_kernel_caches()       # before any command makes a oneDNN kernel (kvstrata.model.onednn)
+    bound_kernel_caches()       # before any command makes a oneDNN kernel (kvstrata.model.formats.onednn)
     args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else None     # a real command line: `serve` may re-execute it
     args.log_level = getattr(args, "log_level", None) or getattr(args, "default_log_level", "WARNING")

@@ -65,8 +65,10 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=server.shutdown_timeout, access_log=False)
+    runs = async_engine.info.runs
     ready_server(config, f"serving {name} on http://{server.host}:{server.port} (OpenAI API under /v1), "
-                        f"ready {time.monotonic() - started:.1f}s after loading began").run()
+                        f"ready {time.monotonic() - started:.1f}s after loading began: {runs['quantization']}, "
+                        f"{runs['dtype']}, {runs['step']}").run()
     log = logging.getLogger("kvstrata")
     log.info("shutting down: %d requests in flight", async_engine.num_unfinished)
     async_engine.shutdown()

@@ -9,7 +9,7 @@ from fastapi.responses import PlainTextResponse
 
 from kvstrata.entrypoints.openai.errors import ApiError
 from kvstrata.entrypoints.openai.protocol import LoadLoRARequest, UnloadLoRARequest
-from kvstrata.model.lora import AdapterError
+from kvstrata.model.adapters.lora import AdapterError
 
 adapter_router = APIRouter()
 

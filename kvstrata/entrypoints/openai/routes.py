@@ -74,9 +74,10 @@ async def version():
 def _card(state: ServerState, model_id: str) -> dict:
     """The base model's card, or a LoRA adapter's (its folder as `root`, the base as `parent`, as vLLM)."""
     adapter = model_id != state.model_name
-    return {"id": model_id, "object": "model", "created": state.created, "owned_by": "kvstrata",
+    card = {"id": model_id, "object": "model", "created": state.created, "owned_by": "kvstrata",
             "root": state.engine.adapters[model_id] if adapter else model_id,
             "parent": state.model_name if adapter else None, "max_model_len": state.max_model_len}
+    return card if adapter else {**card, "runs": dict(state.engine.info.runs)}
 
 
 @router.get("/v1/models")

@@ -11,7 +11,7 @@ the B's block-diagonal (a missing target gets no rows), the scale folded into B:
 A step's rows are grouped by adapter (`LoRABatch`): each projection adds `(x[rows] @ A.T) @ B.T` to
 its output per group, never a per-token gather of adapter weights; a step without adapters pays
 nothing. A bf16 model on the CPU does all of a projection's groups in one call of our kernel
-(csrc/lora.cpp, `kernels.lora_apply`): in torch each group costs two small matmuls and an add, whose
+(kernels/csrc/lora.cpp, `kernels.LoRAApply`): in torch each group costs two small matmuls and an add, whose
 dispatches cost more than their arithmetic on a few rows. B is kept transposed (BT, r x out), and for
 the kernel a second time in tiles of 16 columns that it reads in one stream.
 
@@ -32,19 +32,14 @@ import numpy as np
 import torch
 
 from kvstrata.model.arch import ModelArch
-from kvstrata.model.kernels import LoRAApply, lora_apply
+from kvstrata.model.arch import tensors as names
+from kvstrata.model.kernels import LoRAApply, face
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
-# HF module name -> (our fused projection, which part of it)
-_TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
-# A run of more rows than this (a prefill chunk) runs in torch's matmuls, which match the kernel at 128
-# rows and beat it beyond (2-core Zen 5, rank 16 on q|k|v: 42 against 61 us at 64 rows, 84 against 82 us
-# at 128, 299 against 155 us at 512).
-KERNEL_MAX_ROWS = 64
-PROJECTIONS = ("qkv", "o", "gate_up", "down")     # the decoder's fused projections, in the kernel table's order
+_TARGETS = names.MODULES           # HF module name -> (our fused projection, which part of it)
+PROJECTIONS = names.PROJECTIONS    # the decoder's fused projections, in the kernel table's order
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -63,7 +58,7 @@ class LoRAPair:
     @classmethod
     def of(cls, a: torch.Tensor, bt: torch.Tensor) -> LoRAPair:
         """The pair, with the kernel's tiles where it can take them."""
-        kernel = lora_apply()
+        kernel = face(LoRAApply)
         takes = kernel is not None and kernel.takes(a.dtype, a.device, a.shape[1], bt.shape[1])
         tiles = bt.view(bt.shape[0], -1, 16).transpose(0, 1).contiguous() if takes else None
         return cls(a, bt, tiles)
@@ -81,7 +76,7 @@ class LoRAWeights:
     kernel_takes: bool = field(init=False, repr=False, compare=False)     # whether the kernel can apply it
 
     def __post_init__(self) -> None:
-        kernel = lora_apply()
+        kernel = face(LoRAApply)
         pairs = [pair for layer in self.layers for pair in layer.values()]
         object.__setattr__(self, "pointers", self.table())
         object.__setattr__(self, "kernel_takes", kernel is not None and all(p.bt_tiles is not None for p in pairs))
@@ -179,11 +174,6 @@ def _out_sizes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             "gate_up": (arch.intermediate_size, arch.intermediate_size), "down": (arch.hidden_size,)}
 
 
-def _in_size(arch: ModelArch, fused: str) -> int:
-    return {"qkv": arch.hidden_size, "o": arch.q_size, "gate_up": arch.hidden_size,
-            "down": arch.intermediate_size}[fused]
-
-
 def _fused_layer(arch: ModelArch, modules: dict[str, dict[str, torch.Tensor]], scale_of, dtype: torch.dtype,
                  device: torch.device) -> dict[str, LoRAPair]:
     """One layer's pairs: each fused projection's targeted parts stacked (A) and block-diagonal (B)."""
@@ -200,9 +190,9 @@ def _fused_layer(arch: ModelArch, modules: dict[str, dict[str, torch.Tensor]], s
                 raise AdapterError(f"{module}: the adapter has lora_{'A' if 'A' not in pair else 'B'} missing")
             a, b = pair["A"].float(), pair["B"].float()
             r = a.shape[0]
-            if a.shape != (r, _in_size(arch, fused)) or b.shape != (sizes[index], r):
+            if a.shape != (r, arch.projection_shapes()[fused][1]) or b.shape != (sizes[index], r):
                 raise AdapterError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
-                                   f"this model (expected ({r}, {_in_size(arch, fused)}) and ({sizes[index]}, {r}))")
+                                   f"this model (expected ({r}, {arch.projection_shapes()[fused][1]}) and ({sizes[index]}, {r}))")
             a_rows.append(a)
             b_blocks.append((index, b * scale_of(r)))
         total = sum(a.shape[0] for a in a_rows)
@@ -276,9 +266,11 @@ class LoRABatch:
 def group_rows(adapters: list[LoRAWeights | None], lengths: list[int], device: torch.device,
                use_kernel: bool = True) -> LoRABatch | None:
     """A step's LoRABatch from each sequence's adapter (None: base) and its token count, in batch order;
-    None when no sequence has an adapter. Where the kernel takes an adapter, its runs of rows longer
-    than KERNEL_MAX_ROWS (prefill chunks) go to torch's matmuls as slices, the rest (decodes) to the
-    kernel; elsewhere each adapter is one group. `use_kernel=False` keeps torch's ops (tests compare)."""
+    None when no sequence has an adapter. Where the kernel takes an adapter, every row of it goes to the kernel,
+    prefill chunks too: a row's bits then depend on that row alone, so a token's KV is the same whether its
+    prompt was prefilled in one chunk, in several, or recomputed after a handoff (torch's matmuls are faster
+    from ~128 rows, 155 against 299 us at 512, but round by the run's length). Elsewhere each adapter is one
+    group in torch. `use_kernel=False` keeps torch's ops (tests compare)."""
     runs: dict[str, tuple[LoRAWeights, list[range]]] = {}     # adapter -> its runs of consecutive rows
     start = 0
     for weights, n in zip(adapters, lengths):
@@ -294,10 +286,7 @@ def group_rows(adapters: list[LoRAWeights | None], lengths: list[int], device: t
     groups, small = [], []
     for weights, spans in runs.values():
         if use_kernel and weights.kernel_takes:
-            groups += [LoRAGroup(weights, slice(r.start, r.stop)) for r in spans if len(r) > KERNEL_MAX_ROWS]
-            rows = [i for r in spans if len(r) <= KERNEL_MAX_ROWS for i in r]
-            if rows:
-                small.append((weights, rows))
+            small.append((weights, [i for r in spans for i in r]))
         elif len(spans) == 1:
             groups.append(LoRAGroup(weights, slice(spans[0].start, spans[0].stop)))
         else:
@@ -311,4 +300,4 @@ def _kernel_args(groups: list[tuple[LoRAWeights, list[int]]]) -> KernelArgs:
     offsets = np.cumsum([0] + [len(ids) for _, ids in groups], dtype=np.int64)
     rows = np.fromiter((i for _, ids in groups for i in ids), dtype=np.int64, count=int(offsets[-1]))
     table = np.ascontiguousarray(np.stack([weights.pointers for weights, _ in groups], axis=-1))
-    return KernelArgs(lora_apply(), offsets, rows, table)
+    return KernelArgs(face(LoRAApply), offsets, rows, table)

@@ -1,21 +1,23 @@
-"""`ModelArch`: the shape of a Llama-family decoder, read from an HF `config.json`.
+"""`ModelArch`: the description of a decoder that the rest of the wing builds from.
 
-One frozen value describes everything the model code needs (sizes, RoPE, biases), whatever the
-source: a GGUF file is first converted to an HF-style folder, so this parser is the only one.
-Both config styles are read: transformers v4 (`rope_theta` + `rope_scaling`) and v5
-(`rope_parameters`).
+One frozen value holds everything the model code needs (sizes, attention, RoPE, biases, the activation)
+whatever the source: a GGUF file is converted to an HF-style folder first, so a family's parser of an HF
+`config.json` (kvstrata.model.arch.llama, ...) is the only reader. The builder assembles the network from it, the
+model fingerprint hashes it, the KV cache is shaped by it. A new family is a new description (a module beside
+llama.py and its entry in `FAMILIES`), plus what is really new in it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")   # freq_factors: a GGUF's rope_freqs
+ACTIVATIONS = ("silu",)                           # the gated MLP's activation: act(gate) * up
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class ModelArch:
     tie_word_embeddings: bool
     attention_bias: bool               # q/k/v projections carry a bias (Qwen2, Llama attention_bias)
     attention_out_bias: bool = False   # o_proj carries a bias too (Llama attention_bias only)
+    family: str = "llama"              # the description it came from (FAMILIES in kvstrata.model.arch)
+    activation: str = "silu"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -41,6 +45,8 @@ class ModelArch:
                              f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, not {self.head_dim}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.activation!r} is not supported (kvstrata runs {', '.join(ACTIVATIONS)})")
 
     @property
     def q_size(self) -> int:
@@ -50,9 +56,39 @@ class ModelArch:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each fused projection's (out, in)."""
+        e, i = self.hidden_size, self.intermediate_size
+        return {"qkv": (self.q_size + 2 * self.kv_size, e), "o": (e, self.q_size), "gate_up": (2 * i, e),
+                "down": (e, i)}
 
-def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
-    """(theta, scaling) from either config style; scaling is None for plain RoPE."""
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How a family's GGUF files name their tensors and metadata (kvstrata.model.sources.gguf_convert reads them).
+
+    `config(meta, shapes)`: the HF config.json of a file, from its metadata (`meta(key, default)`) and its
+    tensors' shapes by GGUF name."""
+
+    architecture: str                          # general.architecture
+    layer_names: dict[str, str]                # blk.N.<gguf name> -> model.layers.N.<hf name>
+    global_names: dict[str, str]               # token_embd -> model.embed_tokens, ...
+    permuted_rope: bool                        # llama.cpp interleaved the RoPE halves of q/k rows
+    config: Callable[[Callable[..., Any], dict[str, tuple[int, ...]]], dict[str, Any]]
+
+    def hf_name(self, gguf_name: str) -> str:
+        base, _, suffix = gguf_name.rpartition(".")
+        parts = base.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in self.layer_names:
+            return f"model.layers.{parts[1]}.{self.layer_names[parts[2]]}.{suffix}"
+        if base in self.global_names:
+            return f"{self.global_names[base]}.{suffix}"
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a {self.architecture}-architecture model")
+
+
+def rope_from_config(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(theta, scaling) from either config style (transformers v4's `rope_theta` + `rope_scaling`, v5's
+    `rope_parameters`); scaling is None for plain RoPE."""
     params = config.get("rope_parameters")
     if params is not None:       # transformers v5: one dict holds theta and the scaling
         params = dict(params)
@@ -72,46 +108,6 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
         raise ValueError(f"rope scaling {rope_type!r} needs " + ("its 'factors'" if rope_type == "freq_factors"
                                                                   else "a 'factor'"))
     return float(theta), {"rope_type": rope_type, **scaling}
-
-
-def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
-    """Parse an HF `config.json` dict; ValueError names what kvstrata cannot run."""
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; kvstrata runs "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (Llama-family models use silu)")
-    if config.get("mlp_bias"):
-        raise ValueError("mlp_bias=true is not supported")
-    window = config.get("sliding_window")
-    if window and (model_type == "mistral" or config.get("use_sliding_window")):
-        logger.warning("sliding_window=%s is not applied: outputs are exact only up to %s tokens",
-                       window, window)
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    theta, scaling = _rope(config)
-    if model_type == "qwen2":
-        qkv_bias, out_bias = True, False
-    else:
-        qkv_bias = out_bias = bool(config.get("attention_bias", False))
-    return ModelArch(
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=qkv_bias,
-        attention_out_bias=out_bias,
-    )
 
 
 def resolve_max_model_len(asked: int | None, arch: ModelArch) -> int:

@@ -1,5 +1,6 @@
-"""The float projections: `PackedLinear` (oneDNN, weights reordered once at load) on CPU,
-`DenseLinear` (`F.linear`) elsewhere. Both are called as `proj(x)`, x (M, in) -> (M, out).
+"""The `none` weight format: projections in the model dtype's own floats. `PackedLinear` (oneDNN, weights
+reordered once at load) on CPU, `DenseLinear` (`F.linear`) elsewhere and under `--compile`. Both are called as
+`proj(x)`, x (M, in) -> (M, out); the other formats widen to them what they cannot run at their own bits.
 
 Why pack. `F.linear` on CPU calls MKL's gemm on the plain (out, in) weight, which copies it into
 its own blocked layout inside every call; oneDNN's inner-product primitive takes the weight once
@@ -14,31 +15,31 @@ works with it. The full figures: docs/design/model.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kvstrata.model.onednn import bound_kernel_caches
+from kvstrata.core.machine import machine
+from kvstrata.model.arch import ModelArch
+from kvstrata.model.arch import tensors as names
+from kvstrata.model.formats.base import (
+    Checkpoint,
+    PackContext,
+    Packed,
+    Projection,
+    Target,
+    WeightFootprint,
+    WeightFormat,
+    weight_counts,
+)
+from kvstrata.model.formats.onednn import bound_kernel_caches
 
 PACK_ROWS_HINT = 16
 
 
-class Projection(Protocol):
-    """What the decoder calls for each of its projections: `proj(x)`, x (M, in) -> (M, out)."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of weights one call reads."""
-        ...
-
-
 @dataclass(frozen=True)
-class DenseLinear:
-    """A projection in the model dtype: y = x @ weight.T + bias. The int8 counterpart is
-    `kvstrata.model.int8.Int8Linear`."""
+class DenseLinear(Projection):
+    """A projection in the model dtype: y = x @ weight.T + bias."""
 
     weight: torch.Tensor           # (out, in)
     bias: torch.Tensor | None
@@ -52,7 +53,7 @@ class DenseLinear:
 
 
 @dataclass(frozen=True)
-class PackedLinear:
+class PackedLinear(Projection):
     """A float projection whose weight oneDNN holds in its own layout (an opaque tensor: no
     `.weight` to read back, so whoever needs the float rows, e.g. int8 quantization, runs first)."""
 
@@ -85,3 +86,56 @@ def can_pack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def dense_projection(weight: torch.Tensor, bias: torch.Tensor | None, ctx: PackContext) -> Projection:
+    """A float projection as this model runs it: handed to oneDNN where it can take it (not under --compile:
+    dynamo cannot trace its packed weights), a lone row padded to two where attention is exact in 16 bits
+    (`PackedLinear.__call__`)."""
+    dense = DenseLinear(weight, bias)
+    if ctx.traceable or not can_pack(weight):
+        return dense
+    return PackedLinear.from_dense(dense, 2 if ctx.exact and ctx.dtype.itemsize < 4 else 1)
+
+
+def native_bf16() -> bool:
+    """bf16 matmuls in hardware (AVX512-BF16 / AMX; `kvstrata.core.machine`) and a oneDNN that uses them. oneDNN
+    also runs bf16 on plain AVX-512 and AVX2 by converting, slower than float32 there."""
+    if not machine().native_bf16:
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):     # a torch build without oneDNN
+        return False
+
+
+class DenseFormat(WeightFormat):
+    """`--quantization none`: every matrix in the dtype, multiplied by oneDNN (CPU) or torch."""
+
+    name = "none"
+
+    def auto_dtype(self, target: Target) -> torch.dtype:
+        """bfloat16 on CUDA, and on a CPU only where oneDNN has a native bf16 GEMM: elsewhere oneDNN emulates
+        bf16 and its matmuls run several times slower than float32 at every batch size. With it, bf16 is the
+        better serving default from batch ~8 up (docs/design/model.md, "The dtype")."""
+        return torch.bfloat16 if target.device.type == "cuda" or native_bf16() else torch.float32
+
+    def footprint(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> WeightFootprint:
+        """Every parameter in the dtype; on CPU a tied head is packed for oneDNN as a copy of the embeddings, and
+        packing a projection briefly holds it twice (a float32 tensor of the largest at its peak)."""
+        parameters, _, embed, largest = weight_counts(arch)
+        size = dtype.itemsize
+        resident = parameters * size + (embed * size if arch.tie_word_embeddings and device.type == "cpu" else 0)
+        return WeightFootprint(resident + largest * 4, resident, parameters, f"{_name(dtype)} weights")
+
+    def pack(self, checkpoint: Checkpoint, ctx: PackContext) -> Packed:
+        a = ctx.arch
+        biases = {"qkv": a.attention_bias, "o": a.attention_out_bias, "gate_up": False, "down": False}
+        layers = [{p: dense_projection(checkpoint.matrix(i, p), checkpoint.bias(i, p, biases[p]), ctx)
+                   for p in names.PROJECTIONS} for i in range(a.num_layers)]
+        head = ctx.embeddings if a.tie_word_embeddings else checkpoint.take(names.LM_HEAD)
+        return Packed(layers, dense_projection(head, None, ctx))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,5 +1,7 @@
-"""GGUF weights served at their own bits (`--quantization gguf`): Q4_0, Q4_1, Q8_0, Q6_K and BF16 projections run
-by our kernel (csrc/gguf_matmul.cpp) straight from the file's blocks, never widened to 16 bits (BF16's are 16).
+"""The `gguf` weight format: a GGUF file's matrices served at their own bits, by our kernel
+(kernels/csrc/gguf_matmul.cpp) straight from the file's blocks, never widened to 16 bits (BF16's are 16). The
+types it runs are the kernel header's table (`kvstrata.model.kernels.gguf.GGUF_TYPES`); any other is widened to
+the dtype (`dense_projection`), with a warning that counts them.
 
 A decode step is memory-bound, so the weights stay at the file's 4.5-8.5 bits a weight and the
 activations come down to meet them, as llama.cpp does: each activation row is quantized to int8 in
@@ -20,92 +22,103 @@ FMAs with denormals flushed, the bits of AVX512-BF16's dot product (csrc/bf16_ti
 
 Block layouts (ggml): Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]}, Q8_0 {f16 d; i8 qs[32]};
 a 4-bit block holds weight j in the low nibble of qs[j] and weight j + 16 in its high nibble. Q6_K
-{u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d} for 256 weights (the C++ packer unpacks it).
+{u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d} for 256 weights (the C++ packer unpacks it). What a new type touches: docs/design/model.md.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from kvstrata.core.machine import machine
 from kvstrata.model import kernels
+from kvstrata.model.arch import ModelArch
+from kvstrata.model.arch import tensors as names
+from kvstrata.model.formats.base import (
+    Checkpoint,
+    PackContext,
+    Packed,
+    Projection,
+    Target,
+    WeightFootprint,
+    WeightFormat,
+    weight_counts,
+)
+from kvstrata.model.formats.dense import DenseFormat, dense_projection
+from kvstrata.model.kernels.gguf import GGUF_TYPES, gguf_type
+from kvstrata.model.kernels.layers import KvsProjection
+from kvstrata.model.kernels.memory import huge_page_bytes
+from kvstrata.model.sources.gguf_convert import BLOCKS_FILE
 
-BLOCKS_FILE = "gguf-blocks"                           # in a converted GGUF's folder (kvstrata.model.gguf_convert)
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q6_K": 210, "BF16": 2}    # the types served at their own bits
-BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q6_K": 256, "BF16": 1}
-
-
-def kernel_level() -> int:
-    """Which of the kernel's paths this CPU takes: 3 AVX-512 VNNI + BF16 (BF16 matrices by VDPBF16PS), 2 AVX-512
-    VNNI, 1 AVX2, 0 plain C++ (all give the same bits)."""
-    cpu = machine()
-    if all(cpu.has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")):
-        return 3 if cpu.has("avx512_bf16") else 2
-    return 1 if cpu.has("avx2") and cpu.has("fma") else 0
+logger = logging.getLogger(__name__)
 
 
 def as_q4_1(raw: torch.Tensor) -> torch.Tensor:
     """Q4_0 rows as Q4_1 rows of the same weights (m = -8 d, exact in float16), for a fused projection whose
     parts mix the two."""
-    blocks = raw.reshape(raw.shape[0], -1, BLOCK_BYTES["Q4_0"])
+    blocks = raw.reshape(raw.shape[0], -1, gguf_type("Q4_0").block_bytes)
     d = blocks[..., :2].contiguous().view(torch.float16)
     m = (d.float() * -8).to(torch.float16).view(torch.uint8)
     return torch.cat([blocks[..., :2], m, blocks[..., 2:]], dim=-1).reshape(raw.shape[0], -1)
 
 
 @dataclass(frozen=True)
-class GGUFLinear:
+class GGUFLinear(Projection):
     """A projection whose weights are a GGUF type's blocks in the kernel's layout: x (M, in) -> (M, out),
     in the dtype x came in (float32 and bfloat16 directly, others through float32)."""
 
-    kind: str                       # a BLOCK_BYTES type
+    kind: str                       # a GGUF_TYPES name
     packed: torch.Tensor            # uint8, the kernel's layout
     n_out: int
     n_in: int
     bias: torch.Tensor | None       # (out,) in the model dtype
-    level: int                      # the kernel path (kernel_level())
+    kernel: kernels.GGUFMatmul      # the kernel at the ISA level it was packed for
 
     @classmethod
     def from_rows(cls, kind: str, raw: torch.Tensor, bias: torch.Tensor | None = None,
-                  level: int | None = None) -> GGUFLinear:
-        """raw (out, blocks * BLOCK_BYTES[kind]) uint8: a matrix's rows as the file holds them."""
-        kernel = kernels.gguf_matmul()
-        assert kernel is not None, "the GGUF kernel could not be built here"
-        n_in = raw.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS[kind]
-        assert raw.shape[1] % BLOCK_BYTES[kind] == 0
-        packed = kernel.pack(kind, raw.contiguous(), n_in)
-        return cls(kind, packed, raw.shape[0], n_in, bias, kernel_level() if level is None else level)
+                  kernel: kernels.GGUFMatmul | None = None) -> GGUFLinear:
+        """raw (out, blocks * block bytes) uint8: a matrix's rows as the file holds them."""
+        kernel = kernel or kernels.face(kernels.GGUFMatmul)
+        assert kernel is not None, f"the GGUF kernel is off here ({kernels.off_reason()})"
+        facts = gguf_type(kind)
+        assert raw.shape[1] % facts.block_bytes == 0
+        n_in = raw.shape[1] // facts.block_bytes * facts.block_weights
+        return cls(kind, kernel.pack(kind, raw.contiguous(), n_in), raw.shape[0], n_in, bias, kernel)
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = kernels.gguf_matmul()
-        assert kernel is not None and x.dim() == 2 and x.shape[1] == self.n_in
+        assert x.dim() == 2 and x.shape[1] == self.n_in
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         if xk.stride(1) != 1:
             xk = xk.contiguous()
         y = xk.new_empty(xk.shape[0], self.n_out)
-        kernel(self.kind, self.level, self.packed, self.n_out, xk, y)
+        self.kernel(self.kind, self.packed, self.n_out, xk, y)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
+
+    def kernel_view(self) -> KvsProjection | None:
+        if self.bias is not None:
+            return None
+        return KvsProjection(self.packed.data_ptr(), gguf_type(self.kind).kind, self.n_out, self.n_in)
 
 
 def in_one_arena(slots: list[tuple[dict, str]]) -> None:
     """Move the `GGUFLinear` at each `where[key]` of `slots` into one buffer on transparent huge pages
-    (`kernels.huge_page_bytes`), each at a 64-byte boundary: a small model's matrices are each below a huge
+    (`kernels.memory.huge_page_bytes`), each at a 64-byte boundary: a small model's matrices are each below a huge
     page, and a step reads them all in turn (SmolLM2 BF16's weights at +12-15% on the Zen 4 VM). Each slot is
     replaced as its weights are copied, which drops the old buffer (the slot held its only reference), so
     memory peaks at one matrix above the model's."""
     aligned = [-(-where[key].nbytes // 64) * 64 for where, key in slots]
-    arena = kernels.huge_page_bytes(sum(aligned))
+    arena = huge_page_bytes(sum(aligned))
     offset = 0
     for (where, key), size in zip(slots, aligned):
         view = arena[offset:offset + where[key].nbytes]
@@ -124,26 +137,118 @@ class GGUFBlocks:
 
     @classmethod
     def read(cls, folder: Path) -> GGUFBlocks:
-        path = folder / BLOCKS_FILE
-        if not path.is_file():
-            raise ValueError(f"--quantization gguf serves a GGUF file's own blocks, and {folder} did not come "
-                             "from a GGUF file; pass a .gguf model, or --quantization none or int8")
-        with safe_open(path, "pt") as f:
+        with safe_open(folder / BLOCKS_FILE, "pt") as f:
             return cls({name: f.get_tensor(name) for name in f.keys()}, json.loads(f.metadata()["types"]))
 
-    def linear(self, names: list[str], bias: torch.Tensor | None = None) -> GGUFLinear | None:
-        """The matrices `names` stacked by rows as one `GGUFLinear`, or None unless each is in a type served at
+    def linear(self, names_: list[str], bias: torch.Tensor | None = None) -> GGUFLinear | None:
+        """The matrices `names_` stacked by rows as one `GGUFLinear`, or None unless each is in a type served at
         its bits and they can share one (Q4_0 beside Q4_1 runs as Q4_1; other mixes are widened)."""
-        if not all(name in self.raw for name in names):
+        kind = shared_kind([self.types.get(n, "") for n in names_]) if all(n in self.raw for n in names_) else None
+        if kind is None:
             return None
-        kinds = {self.types[n] for n in names}
-        if kinds == {"Q4_0", "Q4_1"}:
-            raws = [self.raw[n] if self.types[n] == "Q4_1" else as_q4_1(self.raw[n]) for n in names]
-            return GGUFLinear.from_rows("Q4_1", torch.cat(raws), bias)
-        if len(kinds) > 1:
-            return None
-        return GGUFLinear.from_rows(kinds.pop(), torch.cat([self.raw[n] for n in names]), bias)
+        raws = [as_q4_1(self.raw[n]) if self.types[n] == "Q4_0" and kind == "Q4_1" else self.raw[n] for n in names_]
+        return GGUFLinear.from_rows(kind, torch.cat(raws), bias)
 
-    def widened(self, names: list[str]) -> str:
-        """What a warning says of the matrices `names` left in the model dtype: their types, counted."""
-        return ", ".join(f"{n} {kind}" for kind, n in Counter(self.types[name] for name in names).most_common())
+    def widened(self, names_: list[str]) -> str:
+        """What a warning says of the matrices `names_` left in the model dtype: their types, counted."""
+        return ", ".join(f"{n} {kind}" for kind, n in Counter(self.types[name] for name in names_).most_common())
+
+
+def shared_kind(kinds: list[str]) -> str | None:
+    """The one type the kernel runs parts of these types in, or None (then the projection is widened)."""
+    distinct = set(kinds)
+    if distinct == {"Q4_0", "Q4_1"}:
+        return "Q4_1"
+    kind = distinct.pop() if len(distinct) == 1 else None
+    return kind if kind in GGUF_TYPES else None
+
+
+def read_types(folder: Path | None) -> dict[str, str] | None:
+    """Every matrix's GGUF type by HF name, from a converted GGUF's folder without reading a tensor; None for a
+    folder that did not come from a GGUF."""
+    if folder is None or not (folder / BLOCKS_FILE).is_file():
+        return None
+    with safe_open(folder / BLOCKS_FILE, "pt") as f:
+        return json.loads(f.metadata()["types"])
+
+
+def all_at_bits(arch: ModelArch, types: dict[str, str]) -> bool:
+    """Whether every projection and the head of `arch` runs at its file's bits (so a step is our kernels only)."""
+    matrices = [names.parts(i, p) for i in range(arch.num_layers) for p in names.PROJECTIONS]
+    matrices.append([names.head(arch.tie_word_embeddings)])
+    return all(shared_kind([types.get(n, "") for n in parts]) is not None for parts in matrices)
+
+
+class GGUFFormat(WeightFormat):
+    """`--quantization gguf` (and `auto` for a GGUF file on the CPU): the file's own blocks."""
+
+    name = "gguf"
+    cpu_only = True
+    exact_attention = True        # int8 activation blocks: see WeightFormat.exact_attention
+
+    def unavailable(self, target: Target) -> str | None:
+        if target.dummy:
+            return "--quantization gguf serves a GGUF file's own blocks; dummy weights have none"
+        if target.compile:
+            return ("--quantization gguf runs kvstrata's GGUF kernel, which --compile cannot trace; drop --compile, "
+                    "or widen the file with --quantization none")
+        if target.gguf_types is None:
+            return ("--quantization gguf serves a GGUF file's own blocks, and these weights did not come from a GGUF "
+                    "file; pass a .gguf model, or --quantization none or int8")
+        if kernels.off_reason() is not None:
+            return f"--quantization gguf needs kvstrata's GGUF kernel, which is off here ({kernels.off_reason()})"
+        return None
+
+    def auto_dtype(self, target: Target) -> torch.dtype:
+        """bfloat16 where every matrix is at its bits, whatever the CPU's float types: a step is then our kernels
+        alone (the fused layers, which take bf16 and widen it in software where the CPU has no bf16); a file
+        with widened matrices runs those through oneDNN, so it takes the dtype the `none` format would."""
+        if target.gguf_types is not None and all_at_bits(target.arch, target.gguf_types):
+            return torch.bfloat16
+        return DenseFormat().auto_dtype(target)
+
+    def footprint(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> WeightFootprint:
+        """Once loaded: the matrices at their bits (at most 1.25 bytes a weight: Q6_K's 1.125 and a margin) and
+        the embeddings in the dtype. While loading: the file's blocks read whole beside their packed copies, and
+        a widened matrix at a time in float32."""
+        parameters, linear, embed, largest = weight_counts(arch)
+        at_bits = (linear + embed) * 5 // 4
+        resident = embed * dtype.itemsize + at_bits
+        return WeightFootprint(resident + at_bits + largest * 4, resident, parameters,
+                               "the file's blocks beside their packed copies")
+
+    def identity(self) -> dict:
+        return {"gguf_kernel": kernels.GGUF_REVISION}
+
+    def pack(self, checkpoint: Checkpoint, ctx: PackContext) -> Packed:
+        """Each projection (and the head) whose parts the file keeps in a type the kernel runs, at those bits; the
+        rest widened. The packed ones then share one buffer on huge pages (`in_one_arena`)."""
+        assert ctx.folder is not None, "unavailable() refuses weights that are no GGUF's"
+        a = ctx.arch
+        blocks = GGUFBlocks.read(ctx.folder)
+        widened: list[str] = []
+        biases = {"qkv": a.attention_bias, "o": a.attention_out_bias, "gate_up": False, "down": False}
+
+        def projection(parts: list[str], bias: torch.Tensor | None, weight: Callable[[], torch.Tensor]) -> Projection:
+            """At the file's bits where the blocks have them (the float copies dropped unread), else widened."""
+            own = blocks.linear(parts, bias)
+            if own is not None:
+                checkpoint.skip(parts)
+                return own
+            widened.extend(parts)
+            return dense_projection(weight(), bias, ctx)
+
+        layers = [{p: projection(names.parts(i, p), checkpoint.bias(i, p, biases[p]),
+                                 lambda i=i, p=p: checkpoint.matrix(i, p)) for p in names.PROJECTIONS}
+                  for i in range(a.num_layers)]
+        head = {"head": projection([names.head(a.tie_word_embeddings)], None,
+                                   (lambda: ctx.embeddings) if a.tie_word_embeddings
+                                   else (lambda: checkpoint.take(names.LM_HEAD)))}
+        if widened:
+            logger.warning("%d %s widened to %s (%s); kvstrata runs %s at their own bits", len(widened),
+                           "matrix" if len(widened) == 1 else "matrices", str(ctx.dtype).removeprefix("torch."),
+                           blocks.widened(widened), ", ".join(GGUF_TYPES))
+        blocks.raw.clear()                  # the file's rows: each slot below then holds its weights' only copy
+        in_one_arena([(where, key) for where in [*layers, head] for key in where
+                      if isinstance(where[key], GGUFLinear)])
+        return Packed(layers, head["head"])

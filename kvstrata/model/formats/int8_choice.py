@@ -4,7 +4,7 @@ The fastest int8 kernel differs by ISA far more than any tuning recovers: on a Z
 no VNNI) `_int_mm` ran SmolLM2 at 0.36x fp32's speed at batch 1, where FBGEMM beats fp32; with VNNI
 the order changes again (figures per machine: BENCHMARKS.md, docs/design/model.md). So at first
 load on a CPU kind, `choose_kernel` builds
-every candidate kernel of `kvstrata.model.int8` over the model's own int8 rows (one whose library
+every candidate kernel of `kvstrata.model.formats.int8_kernels` over the model's own int8 rows (one whose library
 cannot pack or run here is dropped, with a warning), and for each:
 1. times one pass over all projections and the head at 1 and 32 rows (a decode of one stream and of
    a batch), fastest of `REPEATS`, beside the same pass in float32 (the dequantized rows packed as
@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.core.machine import machine
-from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, available_kernels, weight_bits
-from kvstrata.model.linear import DenseLinear, PackedLinear, Projection, can_pack
+from kvstrata.model.formats.base import Projection
+from kvstrata.model.formats.dense import DenseLinear, PackedLinear, can_pack
+from kvstrata.model.formats.int8_kernels import INT8_KERNELS, Int8Rows, available_kernels, weight_bits
 
 logger = logging.getLogger(__name__)
 

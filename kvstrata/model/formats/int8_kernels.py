@@ -1,6 +1,6 @@
-"""int8 projections: y = x @ w.T with int8 weights (one scale per output row) and int8 activations
+"""The `int8` format's projections: y = x @ w.T with int8 weights (one scale per output row) and int8 activations
 (one scale per token, computed at run time), through whichever library kernel is fastest on this
-CPU (`kvstrata.model.int8_choice` measures them at first load).
+CPU (`kvstrata.model.formats.int8_choice` measures them at first load).
 
 The kernels, all with the same int8 rows:
 - `int_mm`: per-token symmetric int8 and `torch._int_mm` (oneDNN's s8 x s8 GEMM). Fast where the
@@ -17,7 +17,7 @@ The kernels, all with the same int8 rows:
   Without VNNI, the u8 x s8 products are summed in pairs in int16 (`vpmaddubsw`) and saturate; there
   the weights keep 7 bits (|w| <= 63: a pair stays within 2 * 255 * 63 < 32768) rather than the
   activations (torch.ao's `reduce_range`), which cost more perplexity (with their own smoothing,
-  `kvstrata.model.quantize`).
+  `kvstrata.model.formats.smoothquant`).
 
 The weights of every kernel are symmetric (zero points 0), so only the two scales dequantize. The
 figures behind each choice: docs/design/model.md.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.core.machine import machine
+from kvstrata.model.formats.base import Projection
 
 
 def weight_bits() -> int:
@@ -68,7 +69,7 @@ class Int8Rows:
 
 
 @dataclass(frozen=True)
-class IntMMLinear:
+class IntMMLinear(Projection):
     """Per-token symmetric int8 activations times int8 weights by `torch._int_mm` (int32 sums)."""
 
     weight_t: torch.Tensor          # (in, out) int8, a transposed view of the (out, in) rows
@@ -89,7 +90,7 @@ class IntMMLinear:
 
 
 @dataclass(frozen=True)
-class DynamicLinear:
+class DynamicLinear(Projection):
     """A library's dynamic quantized linear (FBGEMM or oneDNN), made per-token (module docstring)."""
 
     packed: torch.ScriptObject      # the library's packed int8 weights (no bias: it is added after rescaling)

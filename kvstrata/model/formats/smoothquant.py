@@ -1,6 +1,5 @@
-"""Turn a loaded float32 `LlamaModel` into its int8 form (`--quantization int8`), at load time.
-
-    load_or_quantize_int8(model, tokenizer, int8_cache_path(cache_root, fingerprint, weight_bits()))
+"""SmoothQuant for the `int8` format (kvstrata.model.formats.int8): a float32 checkpoint's projections made
+int8 rows, at load time, and the state cached.
 
 1. Calibrate: one forward over a short fixed text records, per projection, the largest |x| of
    each input channel.
@@ -17,9 +16,9 @@
    The float model computes the same function after smoothing (checked: identical perplexity);
    only the int8 rounding sees the difference.
 3. Quantize every projection and the LM head to int8 rows (`Int8Rows`: 8 bits, or 7 on a CPU
-   without VNNI, `kvstrata.model.int8`), and drop their float weights (the token embeddings stay
-   float32 for the lookup).
-4. Install them through the int8 kernel chosen for this CPU (`kvstrata.model.int8_choice`).
+   without VNNI, `kvstrata.model.formats.int8_kernels`), and drop their float weights (the token embeddings
+   stay float32 for the lookup).
+4. The format installs them through the int8 kernel chosen for this CPU (`kvstrata.model.formats.int8_choice`).
 
 Smoothing is what keeps int8 close to fp32: on SmolLM2 it took the perplexity cost from +5.0% to
 +1.6% (benchmarks/data/gpl-3.0.txt; the figures, and how the alphas were chosen:
@@ -29,7 +28,7 @@ Doing all this takes seconds (the calibration forward and reductions over every 
 for every start, so the result is cached once per model:
 `<cache root>/models/int8-<model fingerprint>-v<INT8_FORMAT_VERSION>-w<bits>.safetensors` (int8
 rows, scales, smoothed norms; 140 MB), written under a temporary name and renamed into place. A
-warm start loads the float model as usual and then swaps in the cached state.
+warm start takes the float matrices as usual and then swaps in the cached state.
 
 The V rows are smoothed too, so an int8 engine's KV differs from an fp32 engine's: the loader puts
 the quantization, and the kernel with its weight bits, into the model fingerprint, and no cached
@@ -42,6 +41,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,14 +49,14 @@ import safetensors.torch
 import torch
 
 from kvstrata.model.arch import ModelArch
-from kvstrata.model.int8 import INT8_KERNELS, Int8Rows, weight_bits
-from kvstrata.model.int8_choice import Int8Choice, cached_or_chosen, candidates, perplexity
-from kvstrata.model.linear import DenseLinear, Projection
-from kvstrata.model.llama import LlamaModel
+from kvstrata.model.arch import tensors as names
+from kvstrata.model.formats.base import Norms, Packed, Projection
+from kvstrata.model.formats.dense import DenseLinear
+from kvstrata.model.formats.int8_kernels import Int8Rows
 
 logger = logging.getLogger(__name__)
 
-# By weight bits (`kvstrata.model.int8.weight_bits`), then projection. The down projection's input
+# By weight bits (`kvstrata.model.formats.int8_kernels.weight_bits`), then projection. The down projection's input
 # (silu(gate) * up) has the worst outliers: with 8-bit weights it smooths harder, with 7-bit ones
 # less; each alpha is the one of least perplexity over the kernels (the sweep: docs/design/model.md).
 SMOOTHING_ALPHA = {
@@ -64,7 +64,6 @@ SMOOTHING_ALPHA = {
     7: {"qkv": 0.5, "o": 0.5, "gate_up": 0.5, "down": 0.45, "head": 0.5},
 }
 INT8_FORMAT_VERSION = 3        # bump when the calibration text, alpha or the layout below changes
-_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 # A fixed, varied text (prose, a list, code, numbers, a chat turn), written for this purpose.
 CALIBRATION_MESSAGES = [
@@ -110,7 +109,7 @@ def calibration_ids(tokenizer, arch: ModelArch, length: int = 320) -> list[int]:
 
 
 @dataclass
-class _ChannelMax:
+class _ChannelMax(Projection):
     """Wraps a projection during calibration; records max |x| per input channel."""
 
     inner: DenseLinear
@@ -122,17 +121,15 @@ class _ChannelMax:
         return self.inner(x)
 
 
-def input_maxima(model: LlamaModel, token_ids: list[int]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-    """max |x| per input channel of every projection (per layer) and of the head, over one pass."""
-    recorders = []
-    for layer in model.layers:
-        layer.projections = {name: _ChannelMax(proj) for name, proj in layer.projections.items()}
-        recorders.append(layer.projections)
-    head = model.head = _ChannelMax(model.head)
-    model.prefill_alone(token_ids)
-    for layer, recs in zip(model.layers, recorders):
-        layer.projections = {name: rec.inner for name, rec in recs.items()}
-    model.head = head.inner
+FloatModel = Packed[DenseLinear]    # the float32 projections int8 is made from; smoothing rescales them in place
+Int8Weights = Packed[Int8Rows]      # every projection's int8 rows (the smoothed norms live in `Norms`)
+
+
+def input_maxima(model: FloatModel, run: Callable[[Packed], object]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """max |x| per input channel of every projection (per layer) and of the head, over one `run` of the model."""
+    recorders = [{name: _ChannelMax(proj) for name, proj in layer.items()} for layer in model.layers]
+    head = _ChannelMax(model.head)
+    run(Packed(recorders, head))
     return [{name: rec.amax for name, rec in recs.items()} for recs in recorders], head.amax
 
 
@@ -141,70 +138,45 @@ def _smoothing(x_max: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tens
     return (x_max.clamp_min(1e-5) ** alpha) / (w.abs().amax(dim=0).clamp_min(1e-5) ** (1 - alpha))
 
 
-@dataclass
-class Int8Weights:
-    """Every projection's int8 rows, layer by layer, and the head's (the smoothed norms live in the model)."""
-
-    layers: list[dict[str, Int8Rows]]
-    head: Int8Rows
-
-    def in_call_order(self) -> list[Int8Rows]:
-        return [rows for layer in self.layers for rows in layer.values()] + [self.head]
-
-
 @torch.no_grad()
-def quantize_int8(model: LlamaModel, token_ids: list[int], bits: int) -> Int8Weights:
-    """Calibrate and smooth `model` in place, and return its projections quantized to `bits`-bit
-    rows (see the module docstring); `install` then puts them in the model."""
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        raise ValueError("quantization int8 runs on CPU with float32 activations; got device "
-                         f"{model.device}, dtype {str(model.dtype).removeprefix('torch.')}")
-    assert token_ids, "calibration needs at least one token"
+def quantize_int8(model: FloatModel, norms: Norms, arch: ModelArch, run: Callable[[Packed], object],
+                  bits: int) -> Int8Weights:
+    """Calibrate and smooth `model` and `norms` in place (`run` feeds the calibration text through the model with
+    the projections it is given), and return the projections quantized to `bits`-bit rows (module docstring)."""
     start = time.perf_counter()
-    smooth(model, *input_maxima(model, token_ids), SMOOTHING_ALPHA[bits])
-    weights = Int8Weights([{name: Int8Rows.from_float(p.weight, p.bias, bits) for name, p in layer.projections.items()}
+    smooth(model, norms, arch, *input_maxima(model, run), SMOOTHING_ALPHA[bits])
+    weights = Int8Weights([{name: Int8Rows.from_float(p.weight, p.bias, bits) for name, p in layer.items()}
                            for layer in model.layers], Int8Rows.from_float(model.head.weight, None, bits))
-    logger.info("quantized to int8 (%d calibration tokens) in %.2fs", len(token_ids), time.perf_counter() - start)
+    logger.info("quantized to int8 in %.2fs", time.perf_counter() - start)
     return weights
 
 
-def install(model: LlamaModel, weights: Int8Weights, projections: list[Projection]) -> None:
-    """Make `projections` (one per `weights.in_call_order()` entry) the model's, and drop its float
-    weights (a tied head shares the embeddings, which stay float for the lookup)."""
-    it = iter(projections)
-    for layer, rows in zip(model.layers, weights.layers):
-        layer.projections = {name: next(it) for name in rows}
-        layer.qkv = layer.o = layer.gate_up = layer.down = layer.qkv_bias = layer.o_bias = None
-    model.head = next(it)
-    model.lm_head = None
-    assert next(it, None) is None, "one projection per int8 row set"
-
-
 @torch.no_grad()
-def smooth(model: LlamaModel, maxima: list[dict[str, torch.Tensor]], head_max: torch.Tensor,
-           alpha: dict[str, float]) -> None:
+def smooth(model: FloatModel, norms: Norms, arch: ModelArch, maxima: list[dict[str, torch.Tensor]],
+           head_max: torch.Tensor, alpha: dict[str, float]) -> None:
     """SmoothQuant's rescaling of a float model, in place; the function it computes is unchanged.
     `maxima[i][name]` is max |x| per input channel of layer i's projection `name`; `alpha` by projection."""
-    a = model.arch
+    a = arch
     v_rows = slice(a.q_size + a.kv_size, a.q_size + 2 * a.kv_size)
     group = a.num_heads // a.num_kv_heads
-    for layer, x_max in zip(model.layers, maxima):
-        s = _smoothing(x_max["qkv"], layer.qkv, alpha["qkv"])
-        layer.qkv.mul_(s)
-        layer.input_norm.div_(s)
-        s = _smoothing(x_max["gate_up"], layer.gate_up, alpha["gate_up"])
-        layer.gate_up.mul_(s)
-        layer.post_norm.div_(s)
-        s = _smoothing(x_max["down"], layer.down, alpha["down"])
-        layer.down.mul_(s)
-        layer.gate_up[a.intermediate_size:].div_(s[:, None])
-        s = _smoothing(x_max["o"], layer.o, alpha["o"]).view(a.num_kv_heads, group, a.head_dim).amax(dim=1)  # (KVH, D)
-        layer.o.mul_(s.repeat_interleave(group, dim=0).reshape(-1))
-        layer.qkv[v_rows].div_(s.reshape(-1, 1))
-        if layer.qkv_bias is not None:
-            layer.qkv_bias[v_rows].div_(s.reshape(-1))
+    for i, (layer, x_max) in enumerate(zip(model.layers, maxima)):
+        qkv, o, gate_up, down = (layer[p].weight for p in names.PROJECTIONS)
+        s = _smoothing(x_max["qkv"], qkv, alpha["qkv"])
+        qkv.mul_(s)
+        norms.input[i].div_(s)
+        s = _smoothing(x_max["gate_up"], gate_up, alpha["gate_up"])
+        gate_up.mul_(s)
+        norms.post[i].div_(s)
+        s = _smoothing(x_max["down"], down, alpha["down"])
+        down.mul_(s)
+        gate_up[a.intermediate_size:].div_(s[:, None])
+        s = _smoothing(x_max["o"], o, alpha["o"]).view(a.num_kv_heads, group, a.head_dim).amax(dim=1)  # (KVH, D)
+        o.mul_(s.repeat_interleave(group, dim=0).reshape(-1))
+        qkv[v_rows].div_(s.reshape(-1, 1))
+        if layer["qkv"].bias is not None:
+            layer["qkv"].bias[v_rows].div_(s.reshape(-1))
     s = _smoothing(head_max, model.head.weight, alpha["head"])
-    model.norm.div_(s)
+    norms.final.div_(s)
     model.head = DenseLinear(model.head.weight * s, None)    # a copy: a tied head is the embeddings
 
 
@@ -212,37 +184,13 @@ def int8_cache_path(cache_root: Path, fingerprint: str, bits: int) -> Path:
     return cache_root / "models" / f"int8-{fingerprint}-v{INT8_FORMAT_VERSION}-w{bits}.safetensors"
 
 
-def load_or_quantize_int8(model: LlamaModel, tokenizer, path: Path, traceable: bool = False) -> Int8Choice:
-    """Make `model` (just loaded in float32) int8: from the state cached at `path`, or by
-    `quantize_int8` and then writing that state to `path` for the next start; through the kernel
-    chosen for this CPU (one dynamo traces, if `traceable` and the CPU has one), which is returned.
-    Its attention then sums in float64 (see "Exact attention" in kvstrata.model.attention): int8
-    activations would turn the float32 attention's path-dependent last bits into different greedy
-    tokens."""
-    model.attn.compute_dtype = torch.float64
-    token_ids = calibration_ids(tokenizer, model.arch)
-    if path.is_file():
-        weights = _apply_int8_state(model, safetensors.torch.load_file(path))
-    else:
-        weights = quantize_int8(model, token_ids, weight_bits())
-        _save_int8_state(model, weights, path)
-
-    def perplexity_with(projections: list[Projection]) -> float:
-        install(model, weights, projections)
-        return perplexity(model.prefill_alone(token_ids), token_ids)
-
-    choice = cached_or_chosen(weights.in_call_order(), perplexity_with, path, candidates(traceable))
-    install(model, weights, [INT8_KERNELS[choice.kernel](rows) for rows in weights.in_call_order()])
-    return choice
-
-
-def _save_int8_state(model: LlamaModel, weights: Int8Weights, path: Path) -> None:
+def save_int8_state(norms: Norms, weights: Int8Weights, path: Path) -> None:
     """What quantization changed (int8 rows and scales of every projection, the smoothed norms),
     written under a temporary name and renamed: readers see a whole file or none."""
-    state = {"norm": model.norm, "head.weight": weights.head.weight, "head.scale": weights.head.scale}
-    for i, (layer, rows) in enumerate(zip(model.layers, weights.layers)):
-        state[f"layers.{i}.input_norm"] = layer.input_norm
-        state[f"layers.{i}.post_norm"] = layer.post_norm
+    state = {"norm": norms.final, "head.weight": weights.head.weight, "head.scale": weights.head.scale}
+    for i, rows in enumerate(weights.layers):
+        state[f"layers.{i}.input_norm"] = norms.input[i]
+        state[f"layers.{i}.post_norm"] = norms.post[i]
         for name, r in rows.items():
             state[f"layers.{i}.{name}.weight"] = r.weight                    # (out, in) int8
             state[f"layers.{i}.{name}.scale"] = r.scale
@@ -260,14 +208,16 @@ def _save_int8_state(model: LlamaModel, weights: Int8Weights, path: Path) -> Non
 
 
 @torch.no_grad()
-def _apply_int8_state(model: LlamaModel, state: dict[str, torch.Tensor]) -> Int8Weights:
-    """The smoothed norms into the model; the int8 rows returned."""
+def load_int8_state(norms: Norms, path: Path, num_layers: int) -> Int8Weights:
+    """The smoothed norms copied into `norms`; the int8 rows returned."""
+    state = safetensors.torch.load_file(path)
+
     def rows(prefix: str) -> Int8Rows:
         return Int8Rows(state[f"{prefix}.weight"], state[f"{prefix}.scale"], state.get(f"{prefix}.bias"))
 
-    model.norm.copy_(state["norm"])
-    for i, layer in enumerate(model.layers):
-        layer.input_norm.copy_(state[f"layers.{i}.input_norm"])
-        layer.post_norm.copy_(state[f"layers.{i}.post_norm"])
-    return Int8Weights([{name: rows(f"layers.{i}.{name}") for name in _PROJECTIONS} for i in range(len(model.layers))],
+    norms.final.copy_(state["norm"])
+    for i in range(num_layers):
+        norms.input[i].copy_(state[f"layers.{i}.input_norm"])
+        norms.post[i].copy_(state[f"layers.{i}.post_norm"])
+    return Int8Weights([{name: rows(f"layers.{i}.{name}") for name in names.PROJECTIONS} for i in range(num_layers)],
                        rows("head"))

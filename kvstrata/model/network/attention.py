@@ -4,7 +4,7 @@ Same code on CPU and CUDA: no host-side loops over tokens, no device syncs per l
 is planned once per forward (`PagedAttention.plan`) and replayed by every layer:
 
     tokens:   [d0 d1 d2 d3 | p0 p0 p0 p0 | p1 p1]      decodes first, then prefill chunks
-    decodes:  the paged kernel (kvstrata.model.kernels) reads each decode's blocks where they
+    decodes:  the paged kernel (kvstrata.model.kernels.paged) reads each decode's blocks where they
               lie, all decodes in one call per layer. Without it (no C++ compiler, a shape it
               cannot read) one gather per layer copies every block the decodes read into one
               buffer, then batched attention per segment (below).
@@ -59,8 +59,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
-from kvstrata.model.kernels import PagedDecode, paged_decode
+from kvstrata.model.kernels import PagedDecode
+from kvstrata.model.network.forward_batch import DecodeGroup, ForwardBatch
 
 
 @dataclass
@@ -167,14 +167,14 @@ class PagedAttention:
     """Attention over a `PagedKVCache` layer. Holds a grow-only gather buffer reused by every layer
     and every step, so reading the cache allocates nothing after warm-up."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel: PagedDecode | None,
                  compute_dtype: torch.dtype | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.compute_dtype = compute_dtype        # None: the KV cache's dtype; see "Exact attention"
-        self.kernel: PagedDecode | None = paged_decode()   # None: decodes gather their blocks
+        self.kernel = kernel                      # None: decodes gather their blocks
         self._scratch: list[torch.Tensor | None] = [None, None]
 
     def reads_in_place(self, block_size: int, dtype: torch.dtype, device: torch.device) -> bool:

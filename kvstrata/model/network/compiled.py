@@ -11,20 +11,20 @@ What is compiled: `DecoderLayer.attention_inputs` and `DecoderLayer.after_attent
 all layers: the layer is an argument, so dynamo guards on its type and tensor shapes, not on which
 layer it is. Paged attention and the KV write stay eager (a plan built per step, data-dependent
 shapes). `dynamic=True` keeps the token count symbolic: graphs are made per range of it that the
-code branches on (one token; several), a bounded set that
-`warm_up` compiles at load, so no request waits for a compile. Inductor keeps what it compiled on
-disk (its cache dir, /tmp/torchinductor_$USER unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a
-second start mostly reads it back.
+code branches on (one token; several), a bounded set that `warm_up` compiles at load, so no request
+waits for a compile. Inductor keeps what it compiled on disk (its cache dir, /tmp/torchinductor_$USER
+unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a second start mostly reads it back.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from functools import cache
 
 import torch
 
-from kvstrata.model.llama import DecoderLayer, LlamaModel
+from kvstrata.model.network.layer import DecoderLayer
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,16 @@ logger = logging.getLogger(__name__)
 WARM_UP_TOKENS = (1, 2, 5, 16, 128)
 
 
-def compile_layers(model: LlamaModel) -> float:
-    """Swap the model's layer steps for compiled ones and compile them now; returns the seconds it took."""
+@cache
+def compiled_steps() -> tuple:
+    """The layer steps before and after attention, compiled (lazily: the first calls compile them)."""
+    return (torch.compile(DecoderLayer.attention_inputs, dynamic=True),
+            torch.compile(DecoderLayer.after_attention, dynamic=True))
+
+
+def warm_up(model) -> float:
+    """Compile a compiled model's steps now, for every token count `WARM_UP_TOKENS` reaches; the seconds it took."""
     start = time.perf_counter()
-    model.layer_steps = (torch.compile(DecoderLayer.attention_inputs, dynamic=True),
-                         torch.compile(DecoderLayer.after_attention, dynamic=True))
     for n in WARM_UP_TOKENS:
         model.prefill_alone(list(range(1, n + 1)))
     seconds = time.perf_counter() - start

@@ -14,7 +14,7 @@ attention reads a sequence's keys 0..seq_len-1 through its row of `block_tables`
 
 Decodes whose block tables start with the same block ids may form a `DecodeGroup` (rows next to
 each other, groups back to back from row 0, ungrouped decodes after them): attention reads their
-shared prefix once for the whole group (see kvstrata.model.attention). Groups are optional: with
+shared prefix once for the whole group (see kvstrata.model.network.attention). Groups are optional: with
 none, every decode reads its own blocks.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.kvcache.prefix_groups import DecodeGroup  # re-exported: it lives where torch is not needed
-from kvstrata.model.lora import LoRABatch
+from kvstrata.model.adapters.lora import LoRABatch
 
 
 @dataclass
@@ -39,7 +39,7 @@ class ForwardBatch:
     num_decodes: int               # sequences [0, num_decodes) have exactly one query token
     logits_indices: torch.Tensor   # (S,) int64, token rows whose logits are returned, in order
     decode_groups: list[DecodeGroup] = field(default_factory=list)   # back to back from row 0
-    lora: LoRABatch | None = None  # the rows that run under an adapter (kvstrata.model.lora); None: all base
+    lora: LoRABatch | None = None  # the rows that run under an adapter (kvstrata.model.adapters); None: all base
 
     @property
     def num_tokens(self) -> int:

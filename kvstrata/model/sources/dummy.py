@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 
 from kvstrata.core.shapes import SHAPES_DIR, SHIPPED_SHAPES
-from kvstrata.model.arch import ModelArch, arch_from_hf_config
+from kvstrata.model.arch import ModelArch, describe
+from kvstrata.model.arch import tensors as names
+
 EMBEDDING_STD = 0.02
 BIAS_STD = 0.02
 _MISSING = object()
@@ -48,7 +50,7 @@ class DummySource:
 
     @property
     def arch(self) -> ModelArch:
-        return arch_from_hf_config(self.config)
+        return describe(self.config)
 
 
 def dummy_source(model: str | None) -> DummySource:
@@ -73,7 +75,7 @@ def dummy_source(model: str | None) -> DummySource:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds no JSON object")
-    arch_from_hf_config(config)                         # ValueError now for an architecture kvstrata cannot run
+    describe(config)                         # ValueError now for an architecture kvstrata cannot run
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     return DummySource(name, config, digest)
 
@@ -81,24 +83,23 @@ def dummy_source(model: str | None) -> DummySource:
 def tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """Every tensor of an HF checkpoint of `arch`, by its HF name, in checkpoint order."""
     e, i = arch.hidden_size, arch.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, e)}
+    rows = {"q_proj": arch.q_size, "k_proj": arch.kv_size, "v_proj": arch.kv_size, "o_proj": e, "gate_proj": i,
+            "up_proj": i, "down_proj": e}
+    biases = {"q_proj": arch.attention_bias, "k_proj": arch.attention_bias, "v_proj": arch.attention_bias,
+              "o_proj": arch.attention_out_bias}
+    shapes: dict[str, tuple[int, ...]] = {names.EMBEDDINGS: (arch.vocab_size, e)}
     for n in range(arch.num_layers):
-        attn, mlp = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
-        shapes[f"model.layers.{n}.input_layernorm.weight"] = (e,)
-        for proj, rows in (("q", arch.q_size), ("k", arch.kv_size), ("v", arch.kv_size)):
-            shapes[f"{attn}{proj}_proj.weight"] = (rows, e)
-            if arch.attention_bias:
-                shapes[f"{attn}{proj}_proj.bias"] = (rows,)
-        shapes[f"{attn}o_proj.weight"] = (e, arch.q_size)
-        if arch.attention_out_bias:
-            shapes[f"{attn}o_proj.bias"] = (e,)
-        shapes[f"model.layers.{n}.post_attention_layernorm.weight"] = (e,)
-        shapes[f"{mlp}gate_proj.weight"] = (i, e)
-        shapes[f"{mlp}up_proj.weight"] = (i, e)
-        shapes[f"{mlp}down_proj.weight"] = (e, i)
-    shapes["model.norm.weight"] = (e,)
+        norms = names.norms(n)
+        shapes[norms["input_norm"]] = (e,)
+        for module, (fused, _) in names.MODULES.items():
+            if module == "gate_proj":
+                shapes[norms["post_norm"]] = (e,)
+            shapes[f"{names.module(n, module)}.weight"] = (rows[module], arch.projection_shapes()[fused][1])
+            if biases.get(module):
+                shapes[f"{names.module(n, module)}.bias"] = (rows[module],)
+    shapes[names.FINAL_NORM] = (e,)
     if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, e)
+        shapes[names.LM_HEAD] = (arch.vocab_size, e)
     return shapes
 
 
@@ -108,7 +109,7 @@ def dummy_tensor(name: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tens
         return torch.ones(shape)
     if name.endswith(".bias"):
         std = BIAS_STD
-    elif name == "model.embed_tokens.weight":
+    elif name == names.EMBEDDINGS:
         std = EMBEDDING_STD
     else:
         std = shape[-1] ** -0.5                         # fan-in: the projection keeps its input's scale
@@ -118,9 +119,9 @@ def dummy_tensor(name: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tens
 
 
 class DummyTensors:
-    """The checkpoint of `arch` as `LlamaModel.load_hf_weights` consumes it (`in`, `pop`, iteration
-    over what is left), each tensor made only when it is popped and cast to `dtype` at once: loading
-    holds the model and one float32 tensor, never the whole model twice."""
+    """The checkpoint of `arch` as the builder consumes it (`in`, `pop`, iteration over what is left), each
+    tensor made only when it is popped and cast to `dtype` at once: loading holds the model and one float32
+    tensor, never the whole model twice."""
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, seed: int = 0) -> None:
         self.shapes = tensor_shapes(arch)

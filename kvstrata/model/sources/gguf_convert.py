@@ -1,12 +1,13 @@
-"""Convert a llama-architecture GGUF file, once, into an HF-style folder kvstrata loads fast.
+"""Convert a GGUF file, once, into an HF-style folder kvstrata loads fast (its architecture's names and config
+are the family's, kvstrata.model.arch: `GGUFLayout`).
 
 Reading a GGUF is slow in Python (`gguf.GGUFReader` parses ~100k tokenizer fields in pure Python,
 3-5 s; transformers' GGUF tokenizer path parses it again), so the result is cached:
 
     <cache root>/models/gguf-<sha256 of the file>-v<CONVERTER_VERSION>/
         model.safetensors   float32, HF Llama tensor names, q/k rows back in HF order
-        gguf-blocks         (safetensors) the file's own blocks of every Q4_0 / Q4_1 / Q8_0 / Q6_K / BF16 matrix, rows
-                            in the same order, and every matrix's GGUF type (`--quantization gguf`)
+        gguf-blocks         (safetensors) the file's own blocks of every matrix in a type the GGUF kernel runs,
+                            rows in the same order, and every matrix's GGUF type (`--quantization gguf`)
         config.json         HF Llama config (both `rope_theta` and v5 `rope_parameters`)
         tokenizer.json, tokenizer_config.json, chat_template.jinja   (when the GGUF has a tokenizer)
         kvstrata.json       where it came from
@@ -35,24 +36,14 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from kvstrata.model.gguf_bits import BLOCK_BYTES, BLOCKS_FILE
+from kvstrata.model.arch import gguf_layout
+from kvstrata.model.kernels.gguf import GGUF_TYPES
 
 logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 4          # 2: gguf-blocks; 3: Q6_K's blocks too; 4: BF16's
+BLOCKS_FILE = "gguf-blocks"    # the file's own blocks of every matrix in a type the GGUF kernel runs
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _QUANT_SUFFIX = re.compile(r"[.-](?:[a-z]?q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 
 
@@ -89,7 +80,8 @@ def ensure_converted(path: Path, cache_root: Path, sha256: str) -> Path:
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (it interleaves the two RoPE halves of each head)."""
+    """Undo llama.cpp's q/k row permutation (it interleaves the two RoPE halves of each head, for the families
+    whose layout says so)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -126,11 +118,8 @@ def _convert_weights(path: Path, out: Path, bar: tqdm) -> bool:
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
-    arch = meta("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported; kvstrata reads "
-                         "llama-architecture GGUF files (Llama, Mistral, SmolLM2) or HF folders")
-    config = _hf_config(meta, reader)
+    layout = gguf_layout(meta("general.architecture"), path.name)
+    config = layout.config(meta, {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors})
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors, blocks, types = {}, {}, {}
     for t in reader.tensors:
@@ -141,13 +130,14 @@ def _convert_weights(path: Path, out: Path, bar: tqdm) -> bool:
             config["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
             bar.update()
             continue
-        name = _hf_name(t.name)
+        name = layout.hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        rope_heads = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
+        rope_heads = None if not layout.permuted_rope else heads if ".q_proj." in name else \
+            kv_heads if ".k_proj." in name else None
         tensors[name] = _hf_rows(w, rope_heads)
         if w.ndim == 2:
             types[name] = t.tensor_type.name
-            if t.tensor_type.name in BLOCK_BYTES:        # a row of blocks is a row of weights
+            if t.tensor_type.name in GGUF_TYPES:         # a row of blocks is a row of weights
                 blocks[name] = _hf_rows(t.data, rope_heads)
         bar.update()
     save_file(blocks, str(out / BLOCKS_FILE), metadata={"types": json.dumps(types)})
@@ -157,58 +147,6 @@ def _convert_weights(path: Path, out: Path, bar: tqdm) -> bool:
     bar.update()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return "tokenizer.ggml.model" in reader.fields
-
-
-def _hf_name(gguf_name: str) -> str:
-    base, _, suffix = gguf_name.rpartition(".")
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a llama-architecture model")
-
-
-def _hf_config(meta, reader) -> dict[str, Any]:
-    hidden = int(meta("llama.embedding_length"))
-    heads = int(meta("llama.attention.head_count"))
-    theta = float(meta("llama.rope.freq_base", 10000.0))
-    rope_type = meta("llama.rope.scaling.type", "none")
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if rope_type == "linear":
-        rope_parameters = {"rope_type": "linear", "rope_theta": theta,
-                           "factor": float(meta("llama.rope.scaling.factor"))}
-    elif rope_type != "none":
-        raise ValueError(f"GGUF rope scaling {rope_type!r} is not supported")
-    vocab = meta("llama.vocab_size")
-    if vocab is None:
-        vocab = next(t.shape[-1] for t in reader.tensors if t.name == "token_embd.weight")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(meta("llama.feed_forward_length")),
-        "num_hidden_layers": int(meta("llama.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta("llama.attention.head_count_kv", heads)),
-        "head_dim": int(meta("llama.attention.key_length", meta("llama.rope.dimension_count",
-                                                                   hidden // heads))),
-        "rms_norm_eps": float(meta("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "max_position_embeddings": int(meta("llama.context_length", 2048)),
-        "rope_theta": theta,
-        "rope_parameters": rope_parameters,
-        "mlp_bias": False,
-        "dtype": "float32",
-    }
-    if rope_parameters["rope_type"] != "default":
-        config["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-    for key in ("bos", "eos", "pad"):
-        token = meta(f"tokenizer.ggml.{key}_token_id")
-        if token is not None:
-            config[f"{key}_token_id"] = int(token)
-    return config
 
 
 def _save_tokenizer(path: Path, out: Path) -> None:
