@@ -28,8 +28,9 @@ import numpy as np
 from kvstrata.bench.fleets import KINDS, WARMUP_REQUESTS, FleetRun, FleetSpec, run_fleet
 from kvstrata.bench.loadgen import WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN
 from kvstrata.core.config import CacheConfig, SchedulerConfig
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel
-from kvstrata.sim.simulator import RequestRecord, SimConfig, SimResult
+from kvstrata.sim.results import RequestRecord, SimResult
 from kvstrata.sim.splits import replay_layouts
 from kvstrata.sim.traces import TraceRequest, read_mooncake
 

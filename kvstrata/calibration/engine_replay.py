@@ -25,7 +25,8 @@ from pathlib import Path
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.sim.batch_shape import BatchShape
-from kvstrata.sim.simulator import RequestRecord, SimConfig
+from kvstrata.sim.config import SimConfig
+from kvstrata.sim.results import RequestRecord
 from kvstrata.sim.traces import TraceRequest, TraceTokens
 
 logger = logging.getLogger(__name__)

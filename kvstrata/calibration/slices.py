@@ -24,8 +24,8 @@ from pathlib import Path
 from kvstrata.calibration.engine_replay import BLOCK_SIZE, MAX_CHUNK
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel
-from kvstrata.sim.simulator import SimConfig
 from kvstrata.sim.traces import TRACE_BLOCK, TraceRequest, TraceTokens, ideal_hits, read_mooncake, shrink
 
 SESSION_HORIZON = 4000                                    # requests scanned for sessions after `skip`

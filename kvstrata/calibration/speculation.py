@@ -23,8 +23,10 @@ from kvstrata.calibration.fitted_on import check_not_fitted_on, slice_identity
 from kvstrata.calibration.slices import Slice, time_scale_for
 from kvstrata.calibration.validation import CLOCK_NAMES, LOADS
 from kvstrata.core.config import SpeculativeConfig
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel
-from kvstrata.sim.simulator import TIERS, SimConfig, Simulator, summarize
+from kvstrata.sim.results import TIERS, summarize
+from kvstrata.sim.simulator import Simulator
 from kvstrata.sim.speculation import Acceptance, speedup
 from kvstrata.sim.traces import TraceRequest
 

@@ -22,8 +22,10 @@ from kvstrata.calibration.engine_replay import loadavg, probe_now, replay_on_eng
 from kvstrata.calibration.fitted_on import check_not_fitted_on, slice_identity
 from kvstrata.calibration.slices import Slice, time_scale_for
 from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel
-from kvstrata.sim.simulator import TIERS, SimConfig, Simulator, summarize
+from kvstrata.sim.results import TIERS, summarize
+from kvstrata.sim.simulator import Simulator
 from kvstrata.sim.traces import TraceRequest
 
 logger = logging.getLogger(__name__)

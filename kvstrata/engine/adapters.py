@@ -1,7 +1,8 @@
 """The engine's LoRA adapters: which names it serves, which are in memory, and who waits for one.
 
     registered  name -> folder and digest (checked once when registered: a bad adapter is refused then)
-    resident    at most `max_loras` loaded, least recently used first; the runner reads their weights
+    resident    at most `max_loras` loaded, least recently used first: the one owner of their weights, which
+                the engine hands the runner, to read, for each step
     holders     the unfinished requests (samples) that took a slot, by adapter: one in use is never dropped
     parked      requests whose adapter found every slot in use: they wait here, holding nothing, and
                 enter the scheduler when a slot frees (`admit_parked`, at the start of each step)
@@ -23,8 +24,8 @@ from kvstrata.core.config import LoRAConfig
 from kvstrata.core.errors import RequestRejected
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.request import AdapterRef, Request
+from kvstrata.model.adapters.lora import AdapterError, LoRAWeights, load_adapter
 from kvstrata.model.loader import LoadedModel
-from kvstrata.model.lora import AdapterError, LoRAWeights, load_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +39,12 @@ class Registered:
 
 
 class Adapters:
-    def __init__(self, config: LoRAConfig, loaded: LoadedModel, resident_weights: dict[str, LoRAWeights],
-                 base_hasher: BlockHasher):
+    def __init__(self, config: LoRAConfig, loaded: LoadedModel, base_hasher: BlockHasher):
         self.config = config
         self.loaded = loaded
         self.base_hasher = base_hasher
         self.registered: dict[str, Registered] = {}
         self.resident: OrderedDict[str, LoRAWeights] = OrderedDict()   # digest -> weights, LRU first
-        self.weights = resident_weights        # the runner's view of `resident`, by digest
         self.holders: dict[str, str] = {}      # request id -> digest of the adapter whose slot it holds
         self.users: Counter[str] = Counter()   # digest -> its holders
         self.parked: deque[Request] = deque()  # leaders (of their families) waiting for a slot
@@ -172,7 +171,6 @@ class Adapters:
         assert len(self.resident) <= self.config.max_loras, "more adapters resident than max_loras"
         assert set(self.users) <= set(self.resident), "a request runs under an adapter that is not resident"
         assert sum(self.users.values()) == len(self.holders), "holders and users disagree"
-        assert self.weights.keys() == self.resident.keys(), "the runner's adapters differ from the resident ones"
 
     # ---- slots ----------------------------------------------------------------------------------
     def _take_slot(self, ref: AdapterRef) -> bool:
@@ -200,7 +198,7 @@ class Adapters:
             if idle is None:
                 return          # every slot busy: it stays registered and is read again when a slot frees
             self._drop(idle)
-        self.resident[weights.digest] = self.weights[weights.digest] = weights
+        self.resident[weights.digest] = weights
 
     def _idle(self) -> str | None:
         """The least recently used resident adapter no unfinished request runs under."""
@@ -208,7 +206,6 @@ class Adapters:
 
     def _drop(self, digest: str) -> None:
         self.resident.pop(digest, None)
-        self.weights.pop(digest, None)
 
     def _read(self, name: str, folder: Path) -> LoRAWeights:
         self.loads += 1

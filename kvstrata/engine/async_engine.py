@@ -22,6 +22,7 @@ from typing import TypeVar
 from kvstrata.core.hashing import BlockHash
 from kvstrata.core.outputs import RequestOutput
 from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.engine.commands import Abort, AbortAll, AddRequest, Call, Command
 from kvstrata.engine.heap_trim import HeapTrimmer
 from kvstrata.engine.kv_events import EngineLoad, KVEventLog, KVEventRecorder
 from kvstrata.engine.llm_engine import LLMEngine
@@ -112,8 +113,8 @@ class AsyncLLMEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         self._count(1)
         try:
-            self._send(("add", (prompt, params, request_id, priority, prediction, hand_off, lora), admitted,
-                        (loop, outputs)))
+            self._send(AddRequest(prompt, params, request_id, priority, prediction, hand_off, lora, admitted, loop,
+                                  outputs))
             try:
                 await admitted
             except asyncio.CancelledError:
@@ -136,7 +137,7 @@ class AsyncLLMEngine:
             self._count(-1)
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id, None, None))
+        self._send(Abort(request_id))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps (loading an adapter, say); its result, or
@@ -145,10 +146,10 @@ class AsyncLLMEngine:
             raise RuntimeError("the engine is not running")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._send(("call", fn, done, loop))
+        self._send(Call(fn, done, loop))
         return await done
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -158,7 +159,7 @@ class AsyncLLMEngine:
         deadline = time.monotonic() + timeout
         while self.num_unfinished and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
-        self._send(("abort_all", None, None, None))
+        self._send(AbortAll())
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
@@ -235,44 +236,45 @@ class AsyncLLMEngine:
         took = False
         while True:
             try:
-                kind, payload, future, stream = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return took
             took = True
-            if kind == "add":
-                self._add(payload, future, stream)
-            elif kind == "abort":
-                for out in self._engine.abort(payload):
-                    self._deliver(out)
-            elif kind == "call":
-                self._call(payload, future, stream)
-            elif kind == "abort_all":
-                for request_id in list(self._streams):
-                    for out in self._engine.abort(request_id):
-                        self._deliver(out)
+            match command:
+                case AddRequest():
+                    self._add(command)
+                case Abort(request_id):
+                    self._abort(request_id)
+                case Call():
+                    self._call(command)
+                case AbortAll():
+                    for request_id in list(self._streams):
+                        self._abort(request_id)
 
-    def _call(self, fn: Callable, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+    def _abort(self, request_id: str) -> None:
+        for out in self._engine.abort(request_id):
+            self._deliver(out)
+
+    def _call(self, call: Call) -> None:
         try:
-            result = fn(self._engine)
+            result = call.fn(self._engine)
         except Exception as exc:      # the caller's error to answer; the engine goes on
-            _post(loop, _settle, future, exc)
+            _post(call.loop, _settle, call.done, exc)
             return
         finally:
             self._publish_adapters()
-        _post(loop, _resolve, future, result)
+        _post(call.loop, _resolve, call.done, result)
 
-    def _add(self, payload: tuple, future: asyncio.Future, stream: tuple) -> None:
-        loop, _ = stream
-        prompt, params, request_id, priority, prediction, hand_off, lora = payload
+    def _add(self, add: AddRequest) -> None:
         try:
-            self._engine.add_request(prompt, params, request_id, priority, prediction=prediction, hand_off=hand_off,
-                                     lora=lora)
+            self._engine.add_request(add.prompt, add.params, add.request_id, add.priority, prediction=add.prediction,
+                                     hand_off=add.hand_off, lora=add.lora)
         except Exception as exc:      # a bad request: its caller gets the error, the engine goes on
-            _post(loop, _settle, future, exc)
+            _post(add.loop, _settle, add.admitted, exc)
             return
-        self._streams[request_id] = stream
-        self._unfinished_samples[request_id] = (params or SamplingParams()).num_samples
-        _post(loop, _settle, future, None)
+        self._streams[add.request_id] = (add.loop, add.outputs)
+        self._unfinished_samples[add.request_id] = (add.params or SamplingParams()).num_samples
+        _post(add.loop, _settle, add.admitted, None)
 
     def _deliver(self, out: RequestOutput) -> None:
         target = self._streams.get(out.request_id)

@@ -22,14 +22,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.errors import RequestRejected
-from kvstrata.core.hashing import BlockHash, BlockHasher
-from kvstrata.core.outputs import HandOff, RequestOutput, TokenLogprob, best_samples
+from kvstrata.core.hashing import BlockHasher
+from kvstrata.core.outputs import HandOff, RequestOutput, best_samples
 from kvstrata.core.request import Request, RequestStatus, SampleFamily
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.core.timeline import RequestTimeline
@@ -38,14 +37,16 @@ from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.prompts import Prompt, PromptEncoder
 from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot, EngineStats, RequestCounts, copied
 from kvstrata.engine.timelines import TimelineRecorder
+from kvstrata.engine.tracking import HeldHandOff, Tracked, combine
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.stores import open_store
 from kvstrata.kvcache.tiers import TierManager
+from kvstrata.model.adapters.lora import AdapterError
 from kvstrata.model.arch import resolve_max_model_len
 from kvstrata.model.loader import LoadedModel, load_model, plan_load
-from kvstrata.model.lora import AdapterError
 from kvstrata.scheduler.drafts import PREDICTION_LOOKAHEAD
-from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvstrata.scheduler.output import SchedulerOutput
+from kvstrata.scheduler.scheduler import Scheduler
 from kvstrata.scheduler.step_cost import StepCostModel
 from kvstrata.structured.grammar import compile_grammar
 from kvstrata.worker.memory_check import check_memory
@@ -59,38 +60,13 @@ class EngineDeadError(RuntimeError):
     """The books did not balance after recovering from a failed step: the engine cannot go on."""
 
 
-@dataclass
-class _Tracked:
-    """Engine-side state of one request (one sample of a family) beside its ledger."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    family_id: str                     # the id the caller knows (a family's samples share it)
-    show_logprobs: bool                # the caller asked (best_of also scores the samples that did not)
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # shared by a family's samples; [0] is None
-    timeline: RequestTimeline | None = None     # where its time went (kvstrata.core.timeline)
-    logprobs: list = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    reported: bool = False             # an output has gone out (prompt logprobs ride on the first)
-    hand_off: bool = False             # a prefill engine's request: its blocks go to the store, then it answers
-
-
-@dataclass
-class _HeldHandOff:
-    """The last output of a handed-off request, held until the store writes of its blocks settle."""
-
-    output: RequestOutput
-    hashes: list[BlockHash]
-    since: float
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  faults: FaultInjector | None = None):
         config.validate()
         if loaded is None:
             plan = plan_load(config.model)
-            check_memory(plan, config.cache, plan.quantization)   # before any allocation
+            check_memory(plan, config.cache)   # before any allocation
             loaded = load_model(config.model)
         self.loaded = loaded
         # The one value of the config learned from the model: a new (frozen) config, never a mutation.
@@ -109,13 +85,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids,
                                    speculative=config.speculative_config)
         self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)
-        self.adapters = Adapters(config.lora, self.loaded, self.runner.lora, self.hasher)
+        self.adapters = Adapters(config.lora, self.loaded, self.hasher)
         self.stats = EngineStats()
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self._families: dict[str, list[str]] = {}     # family id -> its samples' request ids (n > 1)
         self._ids = itertools.count()
         self._timelines = TimelineRecorder()
-        self._handoffs: dict[str, _HeldHandOff] = {}     # request id -> its held last output
+        self._handoffs: dict[str, HeldHandOff] = {}     # request id -> its held last output
         self.step_cost = StepCostModel()         # what a step costs here, learned from the steps run
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -176,7 +152,7 @@ class LLMEngine:
         for sample in samples:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
                                                  params.skip_special_tokens, params.spaces_between_special_tokens)
-            self._tracked[sample.request_id] = _Tracked(sample, detokenizer, request_id, params.logprobs is not None,
+            self._tracked[sample.request_id] = Tracked(sample, detokenizer, request_id, params.logprobs is not None,
                                                         prompt_logprobs, RequestTimeline(arrival), hand_off=hand_off)
         return samples[0]
 
@@ -217,7 +193,7 @@ class LLMEngine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.loaded.name, self.config.scheduler.max_model_len, self.loaded.arch.vocab_size,
-                          self.config.cache.block_size, self.hasher.root)
+                          self.config.cache.block_size, self.hasher.root, MappingProxyType(self.loaded.runs()))
 
     def snapshot(self) -> EngineSnapshot:
         """The engine as of now, copied, for other threads (see kvstrata.engine.snapshots). Engine thread only."""
@@ -263,7 +239,7 @@ class LLMEngine:
             if self.faults is not None and not output.is_empty:
                 self.faults.check("execute")
             executed = time.perf_counter()
-            result = self.runner.execute(output)
+            result = self.runner.execute(output, self.adapters.resident)
             self.stats.model_seconds += time.perf_counter() - executed
             self._timelines.step(self._timeline_of, output, self.scheduler, began, time.monotonic())
             before = {c.request.request_id: c.request.num_output_tokens for c in output.chunks if c.sample}
@@ -342,7 +318,7 @@ class LLMEngine:
             outputs.append(self._output(tracked, new))
         return outputs
 
-    def _output(self, tracked: _Tracked, new_token_ids: list[int]) -> RequestOutput:
+    def _output(self, tracked: Tracked, new_token_ids: list[int]) -> RequestOutput:
         request = tracked.request
         finished = request.is_finished
         shown = tracked.logprobs if tracked.show_logprobs else []
@@ -368,7 +344,7 @@ class LLMEngine:
                                request.num_accepted_tokens)
         if finished and tracked.hand_off and request.status in (RequestStatus.FINISHED_LENGTH,
                                                                 RequestStatus.FINISHED_STOPPED):
-            self._handoffs[request.request_id] = _HeldHandOff(output, self.tiers.hand_off(request), time.monotonic())
+            self._handoffs[request.request_id] = HeldHandOff(output, self.tiers.hand_off(request), time.monotonic())
         return output
 
     def _settled_handoffs(self) -> list[RequestOutput]:
@@ -453,11 +429,4 @@ class LLMEngine:
             for out in self.step():
                 collected.setdefault((out.request_id, out.index), []).append(out)
         return [out for rid in ids for out in best_samples(
-            [_combine(collected[(rid, index)]) for index in range(params.num_samples)], params.n)]
-
-
-def _combine(parts: list[RequestOutput]) -> RequestOutput:
-    """One request's outputs as one: all its tokens, text and logprobs; the first's prompt, the last's state."""
-    return dataclasses.replace(parts[-1], new_token_ids=[t for p in parts for t in p.new_token_ids],
-                               text="".join(p.text for p in parts), logprobs=[lp for p in parts for lp in p.logprobs],
-                               prompt_token_ids=parts[0].prompt_token_ids, prompt_logprobs=parts[0].prompt_logprobs)
+            [combine(collected[(rid, index)]) for index in range(params.num_samples)], params.n)]

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstrata.core.timeline import RequestTimeline, Span
-from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvstrata.scheduler.output import SchedulerOutput
+from kvstrata.scheduler.scheduler import Scheduler
 
 
 class TimelineRecorder:

@@ -13,25 +13,11 @@ One token budget per step, no separate prefill and decode phases:
 Preempted requests keep their full blocks CACHED, so resuming usually re-hits them, and they
 resume before any new request. A request that could never fit is refused at `add_request`.
 
-Speculative decoding: once every running request has its tokens and waiting ones are admitted (and
-if nobody was preempted), each decode of a request with `num_lookahead_tokens` gets up to that many
-draft tokens (`DraftProposer`) after its last token, within the budget left and its own limits, so
-its chunk is 1 + K tokens: a draft never delays a first token. The draft slots come from the same all-or-nothing `grow()`;
-when that fails the request decodes without drafts (a draft never preempts, nor takes a block
-another running request's token needs). `update` takes the accepted drafts
-and the token sampled after them into the ledger one by one, stopping where a stop condition does,
-then gives back the rejected drafts' slots (`settle_drafts`), and judges the request's recent drafts
-against the step's break-even (`drafts.judge`: one that does not pay pauses its drafts).
-
-    ledger:   [ ... t ]             chunk:  [ t d1 d2 d3 ]   K = 3 drafts, 4 rows of logits
-    verified: d1 accepted, d2 rejected: the ledger gets d1 and the token sampled in d2's place;
-              KV stays for t and d1, the slots of d2 and d3 are given back
-
-Families (n / best_of > 1, see `SampleFamily`): only the leader queues; its admission takes room
-for every sample, and the step that samples its first token forks the others, which run from then
-on as requests of their own. A family's samples rank side by side (index last), so preempting one
-preempts those of its samples not yet scheduled in the step; before the fork, the leader's
-preemption gives back the others' places too. Ending the leader before the fork ends them all.
+Speculative decoding: after every running request has its tokens and waiting ones are admitted (if nobody
+was preempted), decodes that speculate get up to `num_lookahead_tokens` draft tokens in the budget left, taken
+by the same all-or-nothing `grow()` (a draft never preempts, never delays a first token); `update` takes the
+accepted ones and gives back the rejected ones' slots. Families (n / best_of > 1): only the leader queues, the
+step that samples its first token forks the others. Both in docs/design/scheduler.md.
 """
 
 from __future__ import annotations
@@ -40,13 +26,13 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 from kvstrata.core.config import SchedulerConfig, SpeculativeConfig
 from kvstrata.core.errors import RequestRejected
 from kvstrata.core.request import Request, RequestStatus
 from kvstrata.kvcache.tiers import TierManager
+from kvstrata.scheduler.audit import audit_scheduler
 from kvstrata.scheduler.drafts import (
     DEFAULT_BREAK_EVEN,
     MAX_BREAK_EVEN,
@@ -55,41 +41,11 @@ from kvstrata.scheduler.drafts import (
     may_draft,
     worth_drafting,
 )
+from kvstrata.scheduler.output import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 LPM_MAX_QUEUE = 128   # beyond this many waiting requests, lpm falls back to fcfs (matching is O(queue))
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens of one request to compute in this step, and where their KV lives."""
-
-    request: Request
-    start: int                 # position of the first token (== tokens already in KV)
-    token_ids: list[int]
-    block_ids: list[int]       # the request's whole block table
-    sample: bool               # the chunk reaches the last token: its logits pick the next one
-    forks: tuple[Request, ...] = ()   # samples of the request's family that fork from these logits
-    draft_token_ids: tuple[int, ...] = ()   # the last len() of token_ids: drafts to verify (not in the ledger)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:
@@ -172,6 +128,10 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting_key)
+
+    @property
+    def waiting_ids(self) -> Set[str]:
+        return self._waiting_key.keys()
 
     @property
     def has_unfinished(self) -> bool:
@@ -486,31 +446,6 @@ class Scheduler:
             self._waiting = [(k, r) for k, r in self._waiting if self._waiting_key.get(r.request_id) == k]
             heapq.heapify(self._waiting)
 
-    # ---- audit ----------------------------------------------------------------------------------
     def audit(self) -> None:
-        """Queues agree with statuses, limits hold, and the tiers' own audit passes."""
-        running_ids = {r.request_id for r in self.running}
-        loading_ids = {r.request_id for r in self.loading}
-        assert len(running_ids) == len(self.running), "a request is listed twice in running"
-        assert len(loading_ids) == len(self.loading), "a request is listed twice in loading"
-        assert self.num_seats <= self.config.max_num_seqs, "more than max_num_seqs admitted"
-        assert running_ids.isdisjoint(self._waiting_key) and loading_ids.isdisjoint(self._waiting_key) \
-            and running_ids.isdisjoint(loading_ids), "a request is in two queues"
-        for request_id, request in self.requests.items():
-            assert not request.is_finished, f"finished request {request_id} still tracked"
-            running = request.status is RequestStatus.RUNNING
-            loading = request.status is RequestStatus.LOADING
-            assert running == (request_id in running_ids), f"{request_id} is {request.status.name}"
-            assert loading == (request_id in loading_ids) == self.tiers.is_loading(request_id), \
-                f"{request_id} is {request.status.name} but its load says otherwise"
-            assert (running or loading) == self.tiers.holds(request_id), f"{request_id} blocks disagree with status"
-            awaiting = request.status is RequestStatus.AWAITING_FORK
-            if awaiting:
-                leader = request.family.leader
-                assert not request.family.forked and self.requests.get(leader.request_id) is leader, \
-                    f"{request_id} waits to fork from {leader.request_id}, which is gone or forked"
-                assert self.tiers.has_fork(request_id) == self.tiers.holds(leader.request_id), \
-                    f"{request_id} has a place exactly while its leader {leader.request_id} holds blocks"
-            assert running or loading or awaiting or request_id in self._waiting_key, f"{request_id} is in no queue"
-        assert set(self._waiting_key) <= set(self.requests), "an unknown request is waiting"
-        self.tiers.audit()
+        """Queues agree with statuses, limits hold, and the tiers' own audit passes (kvstrata.scheduler.audit)."""
+        audit_scheduler(self)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvstrata.core.config import SchedulerConfig
-from kvstrata.scheduler.scheduler import SchedulerOutput
+from kvstrata.scheduler.output import SchedulerOutput
 
 MIN_STEPS = 16            # observations before the fit is trusted (until then: no cut)
 # A step with decodes may always take this many times a decode-only step: under heavy load the decodes

@@ -26,9 +26,11 @@ import dataclasses
 from kvstrata.core.config import CacheConfig, SchedulerConfig
 from kvstrata.core.hashing import BlockHash
 from kvstrata.core.request import Request
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel
+from kvstrata.sim.results import SimResult
 from kvstrata.sim.routing import make_router
-from kvstrata.sim.simulator import SimConfig, SimResult, Simulator, _Engine
+from kvstrata.sim.simulator import Simulator, _Engine
 from kvstrata.sim.traces import TraceRequest
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstrata.sim.simulator import SimResult
+from kvstrata.sim.results import SimResult
 
 logger = logging.getLogger(__name__)
 

@@ -32,124 +32,30 @@ import math
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
-
-from kvstrata.core.config import POLICIES, WRITE_POLICIES, CacheConfig, SchedulerConfig, SpeculativeConfig
+from kvstrata.core.config import CacheConfig, SchedulerConfig
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.request import AdapterRef, Request
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.tiers import PROBE_WAIT_S, TierManager
-from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvstrata.scheduler.output import SchedulerOutput
+from kvstrata.scheduler.scheduler import Scheduler
 from kvstrata.scheduler.step_cost import StepCostModel
 from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel
-from kvstrata.sim.routing import ROUTERS, make_router
-from kvstrata.sim.speculation import DEFAULT_ALPHA, Acceptance, SimulatedDrafts
+from kvstrata.sim.results import RequestRecord, SimResult
+from kvstrata.sim.routing import make_router
+from kvstrata.sim.speculation import SimulatedDrafts
 from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
-from kvstrata.sim.traces import (
-    TRACE_BLOCK,
-    TraceRequest,
-    TraceTokens,
-    check_tokens_per_id,
-    ideal_hit_rate,
-    num_prompt_blocks,
-)
+from kvstrata.sim.traces import TraceRequest, TraceTokens, ideal_hit_rate, num_prompt_blocks
 
 logger = logging.getLogger(__name__)
 
 SIM_FINGERPRINT = "kvstrata-simulator"   # the hash root of simulated blocks
 SAMPLED_TOKEN = 0                        # what every simulated step samples (requests ignore EOS)
 ARRIVAL, IO, STEP = 0, 1, 2              # event order at equal times
-TIERS = ("device", "host", "store")
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """What is simulated. Capacities are per engine, in tokens; None is unbounded, 0 is no tier."""
-
-    block_size: int = 512
-    device_cache_tokens: int | None = None
-    host_cache_tokens: int | None = 0
-    store_cache_tokens: int | None = 0            # one store, shared by the fleet
-    instances: int = 1
-    router: str = "round_robin"
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 8192
-    policy: str = "fcfs"
-    max_tpot_ms: float = 0.0                      # the engine's step-time target for prefill beside decodes
-                                                  # (its default is 150; 0: no cut, as --validate runs it)
-    write_policy: str = "write_back"
-    store_timeout: float = 2.0
-    audit: bool = False
-    tokens_per_id: int = TRACE_BLOCK              # tokens per trace hash id (fewer: a shrunk trace, traces.shrink)
-    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
-    acceptance: Acceptance | None = None          # its drafts' acceptance (None: geometric, DEFAULT_ALPHA)
-    local_prefill_tokens: int = 0                 # P/D splits: prompts a decode engine lacks at most this many
-                                                  # tokens of are prefilled there (the router's flag)
-    host_cores: float | None = None               # cores the whole fleet shares (None: each engine has its own)
-    serving_overhead: float = 0.0                 # with host_cores: CPU seconds the fleet spends around a second
-                                                  # of steps (HTTP, streaming, the router, the store's server)
-
-    def validate(self) -> SimConfig:
-        size = self.block_size
-        if size < 1 or size & (size - 1) or TRACE_BLOCK % size:
-            raise ValueError(f"block_size must be a power of two dividing {TRACE_BLOCK}, not {size}")
-        check_tokens_per_id(self.tokens_per_id, size)
-        if self.device_cache_tokens is not None and self.device_cache_tokens < size:
-            raise ValueError(f"the device cache must hold at least one block of {size} tokens")
-        for name in ("host_cache_tokens", "store_cache_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must not be negative")
-        if self.instances < 1:
-            raise ValueError("instances must be at least 1")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
-        if self.policy not in POLICIES or self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, write_policy one of {WRITE_POLICIES}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
-        if self.max_tpot_ms < 0:
-            raise ValueError(f"max_tpot_ms must be 0 (off) or positive, not {self.max_tpot_ms}")
-        if self.local_prefill_tokens < 0:
-            raise ValueError(f"local_prefill_tokens must be 0 (hand every prompt over) or positive, "
-                             f"not {self.local_prefill_tokens}")
-        if self.host_cores is not None and self.host_cores <= 0:
-            raise ValueError(f"host_cores must be positive (or None: a core per engine), not {self.host_cores}")
-        if self.serving_overhead < 0:
-            raise ValueError(f"serving_overhead must not be negative, not {self.serving_overhead}")
-        if self.acceptance is not None and self.speculative is None:
-            raise ValueError("an acceptance without a speculative config simulates nothing: pass one")
-        return self
-
-    @property
-    def draft_acceptance(self) -> Acceptance:
-        return self.acceptance or Acceptance.geometric(DEFAULT_ALPHA)
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    arrival: float
-    prompt_tokens: int
-    output_tokens: int
-    engine: int = -1
-    first_token: float = math.nan
-    finish: float = math.nan
-    cached_tokens: int = 0
-    preemptions: int = 0
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.arrival
-
-    @property
-    def tpot(self) -> float:
-        """Seconds per output token after the first (nan for one-token outputs)."""
-        if self.output_tokens < 2:
-            return math.nan
-        return (self.finish - self.first_token) / (self.output_tokens - 1)
 
 
 @dataclass
@@ -172,82 +78,6 @@ class _Engine:
     rate: float = 1.0                          # shared cores: the share of a core it gets since `since`
     since: float = 0.0
     step_seq: int = 0                          # numbers its end-of-step events: an earlier one is stale
-
-
-@dataclass
-class SimResult:
-    config: SimConfig
-    profile: str
-    records: list[RequestRecord]
-    prompt_blocks: int
-    ideal_hit_rate: float
-    engines: list[dict]                        # per-engine counters
-    store_evictions: int
-    wall_s: float
-    audited_steps: int = 0
-    blocks_at_end: dict[str, int] = field(default_factory=dict)
-    speculation: dict | None = None            # drafts and acceptance (SimulatedDrafts.report), when on
-    itl: array = field(default_factory=lambda: array("d"))   # seconds between a request's sampling steps
-    prompt_engines: int | None = None          # engines that see each prompt first (a disaggregated fleet's
-                                               # prefill engines: its decode engines' hits are the handoff)
-
-    def to_json(self) -> dict:
-        """The figures `kvstrata simulate --output-json` writes (hit rates are shares of prompt blocks)."""
-        size = self.config.block_size
-        hits = {tier: sum(e["hit_tokens"][tier] for e in self.engines[:self.prompt_engines]) // size for tier in TIERS}
-        evictions = {tier: sum(e["evicted_blocks"][tier] for e in self.engines) for tier in ("device", "host")}
-        out = summarize(self.records, hits, self.prompt_blocks)
-        out.update(itl_s=_percentiles(np.frombuffer(self.itl, dtype=np.float64)), ideal_hit_rate=self.ideal_hit_rate,
-                   preemptions=sum(e["preemptions"] for e in self.engines),
-                   evictions={**evictions, "store": self.store_evictions},
-                   steps=sum(e["steps"] for e in self.engines),
-                   step_cpu_s=sum(e["step_cpu_s"] for e in self.engines),
-                   transfers={key: _add(e[key] for e in self.engines)
-                              for key in ("loaded_blocks", "offloaded_blocks", "load_failures", "store_errors")},
-                   wall_s=round(self.wall_s, 3), profile=self.profile, config=asdict(self.config))
-        if self.config.instances > 1:
-            out["per_engine"] = []
-            for e in self.engines:
-                mine = [r for r in self.records if r.engine == e["index"]]
-                blocks = sum(math.ceil(r.prompt_tokens / size) for r in mine)
-                engine_hits = {tier: e["hit_tokens"][tier] // size for tier in TIERS}
-                out["per_engine"].append({**summarize(mine, engine_hits, blocks),
-                                          "preemptions": e["preemptions"], "steps": e["steps"],
-                                          "step_cpu_s": e["step_cpu_s"]})
-        if self.config.audit:
-            out["audit"] = {"steps_audited": self.audited_steps, **self.blocks_at_end}
-        if self.speculation is not None:
-            out["speculation"] = self.speculation
-        return out
-
-
-def summarize(records: list[RequestRecord], hit_blocks: dict[str, int], prompt_blocks: int) -> dict:
-    ttft = np.array([r.ttft for r in records])
-    tpot = np.array([r.tpot for r in records])
-    tpot = tpot[~np.isnan(tpot)]
-    start = min((r.arrival for r in records), default=0.0)
-    end = max((r.finish for r in records), default=0.0)
-    output_tokens = sum(r.output_tokens for r in records)
-    rates = {tier: hit_blocks[tier] / prompt_blocks if prompt_blocks else 0.0 for tier in TIERS}
-    rates["total"] = sum(hit_blocks.values()) / prompt_blocks if prompt_blocks else 0.0
-    return {"requests": len(records), "hit_rate": rates, "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot),
-            "throughput_tok_s": output_tokens / (end - start) if end > start else 0.0,
-            "simulated_s": end - start, "output_tokens": output_tokens}
-
-
-def _percentiles(values: np.ndarray) -> dict[str, float]:
-    if not len(values):
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(values.mean())}
-
-
-def _add(tables) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for table in tables:
-        for key, value in table.items():
-            total[key] = total.get(key, 0) + value
-    return dict(sorted(total.items()))
 
 
 class Simulator:

@@ -15,9 +15,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.disaggregated import DisaggregatedSimulator
-from kvstrata.sim.simulator import RequestRecord, SimConfig, SimResult, Simulator
+from kvstrata.sim.results import RequestRecord, SimResult
+from kvstrata.sim.simulator import Simulator
 from kvstrata.sim.traces import TraceRequest
 
 

@@ -8,7 +8,9 @@ tier manager to build its pool from, never written back into config.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -18,16 +20,18 @@ from kvstrata.core.outputs import TokenLogprob
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
 from kvstrata.kvcache.mover import TierBuffers, host_cache
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
-from kvstrata.model.forward_batch import DecodeGroup, ForwardBatch
+from kvstrata.model.adapters.lora import LoRAWeights, group_rows
 from kvstrata.model.loader import LoadedModel
-from kvstrata.model.lora import LoRAWeights, group_rows
-from kvstrata.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+from kvstrata.model.network.forward_batch import DecodeGroup, ForwardBatch
+from kvstrata.scheduler.output import ScheduledChunk, SchedulerOutput
 from kvstrata.structured.grammar import GrammarMasker
 from kvstrata.worker.logprobs import token_logprobs
 from kvstrata.worker.sampler import Sampler
 from kvstrata.worker.speculative import verify
 
 logger = logging.getLogger(__name__)
+
+EMPTY: Mapping = MappingProxyType({})
 
 
 def device_blocks_for(config: CacheConfig, spec: KVCacheSpec) -> int:
@@ -79,7 +83,7 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = config.block_size
-        self.spec = KVCacheSpec.for_model(loaded.arch, config.block_size, loaded.dtype)
+        self.spec = KVCacheSpec.for_model(loaded.arch, config.block_size, loaded.kv_dtype)
         self.num_device_blocks = device_blocks_for(config, self.spec)
         self.kv = PagedKVCache(self.spec, self.num_device_blocks, self.device)
         self.num_host_blocks = host_blocks_for(config, self.spec)
@@ -87,7 +91,6 @@ class ModelRunner:
         grammars = (GrammarMasker(loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids)
                     if loaded.tokenizer is not None else None)
         self.sampler = Sampler(loaded.eos_token_ids, seed=seed, grammars=grammars)
-        self.lora: dict[str, LoRAWeights] = {}     # the resident adapters by digest (kept by the engine's Adapters)
         # whether decodes read their own blocks in place (the paged kernel) or gather them: the
         # simulator's cost model counts a step's work one way or the other
         self.decodes_in_place = self.model.attn.reads_in_place(self.block_size, loaded.dtype, self.device)
@@ -97,17 +100,19 @@ class ModelRunner:
                     self.num_device_blocks, self.block_size, self.kv.nbytes / 2**20, self.num_host_blocks,
                     self.num_host_blocks * self.spec.bytes_per_block / 2**20)
 
-    def execute(self, output: SchedulerOutput) -> StepResult:
+    def execute(self, output: SchedulerOutput, adapters: Mapping[str, LoRAWeights] = EMPTY) -> StepResult:
+        """Run a step: `adapters` are the resident LoRA weights by digest (the engine's `Adapters` owns them; a
+        chunk's request names its adapter by digest)."""
         if output.is_empty:
             return StepResult({}, {})
         decodes = [c for c in output.chunks if c.num_tokens == 1]
         others = [c for c in output.chunks if c.num_tokens != 1]
-        if self.lora:   # each adapter's rows side by side (a stable sort), so its updates read a slice (model.lora)
+        if adapters:    # each adapter's rows side by side (a stable sort), so its updates read a slice
             decodes, others = sorted(decodes, key=_adapter_key), sorted(others, key=_adapter_key)
         order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes],
                                       self.block_size, group_cost_tokens(self.decodes_in_place))
         chunks = [decodes[i] for i in order] + others
-        batch = self.build_batch(chunks, groups)
+        batch = self.build_batch(chunks, groups, adapters)
         with torch.inference_mode():
             logits = self.model(batch, self.kv)                              # (S + D + P, V) float32
         sampled = [c for c in chunks if c.sample and not c.draft_token_ids]
@@ -149,7 +154,8 @@ class ModelRunner:
         assert row == logits.shape[0], "every prompt-logprob row belongs to a chunk"
         return scored
 
-    def build_batch(self, chunks: list[ScheduledChunk], groups: list[DecodeGroup] | None = None) -> ForwardBatch:
+    def build_batch(self, chunks: list[ScheduledChunk], groups: list[DecodeGroup] | None = None,
+                    adapters: Mapping[str, LoRAWeights] = EMPTY) -> ForwardBatch:
         """Flatten chunks (decodes first, `groups` of them sharing a prefix at the front) into
         token-axis tensors; see ForwardBatch for the layout."""
         size = self.block_size
@@ -174,9 +180,9 @@ class ModelRunner:
         logits_rows += [int(query_start[i]) + p - c.start for i, c in enumerate(chunks)
                         for p in prompt_logprob_positions(c)]
         to = lambda a: torch.from_numpy(a).to(self.device)                 # noqa: E731
-        adapters = [c.request.adapter for c in chunks]
-        lora = group_rows([None if a is None else self.lora[a.digest] for a in adapters], lengths.tolist(),
-                          self.device) if any(adapters) else None
+        refs = [c.request.adapter for c in chunks]
+        lora = group_rows([None if a is None else adapters[a.digest] for a in refs], lengths.tolist(),
+                          self.device) if any(refs) else None
         return ForwardBatch(
             input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),
             block_tables=to(tables), seq_lens=to(seq_lens), query_start_loc=query_start.tolist(),

@@ -28,7 +28,8 @@ from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.block_pool import BlockState
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.tiers import TierManager
-from kvstrata.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvstrata.scheduler.output import SchedulerOutput
+from kvstrata.scheduler.scheduler import Scheduler
 
 VOCAB = 50
 EOS = VOCAB  # outside the fake vocabulary: generation ends by length unless a test says otherwise

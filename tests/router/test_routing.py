@@ -8,8 +8,9 @@ import pytest
 from kvstrata.engine.kv_events import EngineLoad, KVEventLog, KVEventRecorder
 from kvstrata.router.event_view import EventView
 from kvstrata.router.policies import POLICIES, RoutedPrompt, make_policy
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.routing import SchedulerView
-from kvstrata.sim.simulator import SimConfig, Simulator
+from kvstrata.sim.simulator import Simulator
 from kvstrata.sim.traces import read_mooncake
 from tests.sim.test_simulator import fixed_cost, synthetic_trace
 

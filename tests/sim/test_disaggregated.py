@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.disaggregated import DisaggregatedSimulator
-from kvstrata.sim.simulator import SimConfig
 from kvstrata.sim.traces import TraceRequest, read_mooncake
 from tests.sim.test_simulator import _cli, fixed_cost, synthetic_trace
 

@@ -18,9 +18,10 @@ import pytest
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.entrypoints.cli.simulate import parse_sweep
 from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel, Link, fit
 from kvstrata.sim.roofline import roofline
-from kvstrata.sim.simulator import SimConfig, Simulator
+from kvstrata.sim.simulator import Simulator
 from kvstrata.sim.traces import TraceRequest, TraceTokens, ideal_hit_rate, read_mooncake
 
 REAL_TRACE = Path(__file__).resolve().parents[3] / "shared/data/traces/conversation_trace.jsonl"

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from kvstrata.core.config import SpeculativeConfig
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.roofline import roofline
-from kvstrata.sim.simulator import SimConfig, Simulator
+from kvstrata.sim.simulator import Simulator
 from kvstrata.sim.speculation import Acceptance, SimulatedDrafts, speedup
 from kvstrata.sim.traces import TraceRequest, read_mooncake
 from tests.sim.test_simulator import _cli, fixed_cost, synthetic_trace

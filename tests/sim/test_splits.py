@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvstrata.sim.simulator import RequestRecord
+from kvstrata.sim.results import RequestRecord
 from kvstrata.sim.splits import Layout, Slo, parse_splits, recommend
 
 

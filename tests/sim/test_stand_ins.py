@@ -6,8 +6,9 @@ from concurrent.futures import Future
 import pytest
 
 from kvstrata.kvcache.tiers import PROBE_WAIT_S
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel, Link
-from kvstrata.sim.simulator import SimConfig, Simulator
+from kvstrata.sim.simulator import Simulator
 from kvstrata.sim.stand_ins import NullMover, SimStore, VirtualClock, VirtualExecutor
 from kvstrata.sim.traces import TraceRequest
 
