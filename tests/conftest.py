@@ -1,22 +1,36 @@
 """Shared fixtures: the embedded model is loaded once per test session."""
 
+import os
+
 import pytest
 import torch
 
-from kvstrata.core.config import EngineConfig, ModelConfig
+from kvstrata.core.config import EngineConfig, ModelConfig, cache_dir
+
+# The kernels built for this session's cache (`make install` built them), whatever cache a test makes its own:
+# a library is keyed by its sources and flags, so one build serves every test (and the children they start).
+os.environ.setdefault("KVSTRATA_KERNEL_DIR", str(cache_dir() / "kernels"))
 
 
 @pytest.fixture(scope="session")
 def smollm2():
+    """What `make serve` and `LLM()` load, and what the engine and server tests run on: the embedded SmolLM2 at its
+    GGUF's own bits, bf16, a step in one C++ call (batch-invariant by construction: a row's bits never depend on
+    its batch, chunk or cache path)."""
     from kvstrata.model.loader import load_model
-    return load_model(ModelConfig(dtype="float32", device="cpu", quantization="none"))   # widened: the fp32 reference
+    return load_model(ModelConfig())
 
 
 @pytest.fixture(scope="session")
-def default_model():
-    """What `make serve` and `LLM()` load: the embedded SmolLM2 at its GGUF's own bits, bf16 where the CPU has it."""
+def default_model(smollm2):
+    return smollm2
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    """The same file widened to float32: the reference transformers, PEFT and int8 are compared with."""
     from kvstrata.model.loader import load_model
-    return load_model(ModelConfig())
+    return load_model(ModelConfig(dtype="float32", device="cpu", quantization="none"))
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,10 @@ class BlockState(enum.Enum):
     IN_FLIGHT = "in_flight"
 
 
+# Where `audit` must find a block of each state: FREE on the free list, CACHED in the LRU, the rest in neither.
+_LISTED = {BlockState.FREE: "free", BlockState.CACHED: "cached"}
+
+
 @dataclass(slots=True, eq=False)
 class Block:
     block_id: int
@@ -299,31 +303,36 @@ class BlockPool:
                 seen[block_id] = where
         if dup:
             raise AuditError(self.tier, "listed twice in the free list / LRU", dup)
-        wrong = [b.block_id for b in self.blocks
-                 if seen.get(b.block_id) != {BlockState.FREE: "free", BlockState.CACHED: "cached"}.get(b.state)]
-        if wrong:
-            raise AuditError(self.tier, "state disagrees with the free list / LRU", wrong)
-        bad_ref = [b.block_id for b in self.blocks
-                   if (b.state is BlockState.USED) != (b.ref_cnt >= 1) or b.ref_cnt < 0]
-        if bad_ref:
-            raise AuditError(self.tier, "refcount disagrees with state", bad_ref)
-        mismatch = [b.block_id for b in self.blocks if b.ref_cnt != holders.get(b.block_id, 0)]
-        if mismatch:
-            raise AuditError(self.tier, "refcount differs from the number of holders", mismatch)
-        owned = set(in_flight)
-        flight = [b.block_id for b in self.blocks if (b.state is BlockState.IN_FLIGHT) != (b.block_id in owned)]
-        if flight:
-            raise AuditError(self.tier, "in-flight blocks and transfer records disagree", flight)
-        bad_index = [b.block_id for h, b in self._index.items()
-                     if b.block_hash != h or b.state not in (BlockState.CACHED, BlockState.USED)]
-        bad_index += [b.block_id for b in self.blocks if b.block_hash is not None
-                      and self._index.get(b.block_hash) is not b]
-        bad_index += [b.block_id for b in self.blocks if b.state is BlockState.CACHED and b.block_hash is None]
+        # One pass over the blocks for every per-block check (tests audit after every step)
+        owned, index = set(in_flight), self._index
+        wrong, bad_ref, mismatch, flight, bad_blocks = [], [], [], [], []
+        used = flying = 0
+        for b in self.blocks:
+            block_id, state, ref = b.block_id, b.state, b.ref_cnt
+            if seen.get(block_id) != _LISTED.get(state):
+                wrong.append(block_id)
+            if (state is BlockState.USED) != (ref >= 1) or ref < 0:
+                bad_ref.append(block_id)
+            if ref != holders.get(block_id, 0):
+                mismatch.append(block_id)
+            if (state is BlockState.IN_FLIGHT) != (block_id in owned):
+                flight.append(block_id)
+            if (b.block_hash is not None and index.get(b.block_hash) is not b) or \
+                    (state is BlockState.CACHED and b.block_hash is None):
+                bad_blocks.append(block_id)
+            used += state is BlockState.USED
+            flying += state is BlockState.IN_FLIGHT
+        for found, what in ((wrong, "state disagrees with the free list / LRU"),
+                            (bad_ref, "refcount disagrees with state"),
+                            (mismatch, "refcount differs from the number of holders"),
+                            (flight, "in-flight blocks and transfer records disagree")):
+            if found:
+                raise AuditError(self.tier, what, found)
+        bad_index = [b.block_id for h, b in index.items()
+                     if b.block_hash != h or b.state not in (BlockState.CACHED, BlockState.USED)] + bad_blocks
         if bad_index:
             raise AuditError(self.tier, "hash index inconsistent", bad_index)
-        counts = PoolCounts(len(self._free), len(self._lru),
-                            sum(b.state is BlockState.USED for b in self.blocks),
-                            sum(b.state is BlockState.IN_FLIGHT for b in self.blocks))
+        counts = PoolCounts(len(self._free), len(self._lru), used, flying)
         if counts != self.counts() or counts.total != self.num_blocks:
             raise AuditError(self.tier, f"counters {self.counts()} != recount {counts}", [])
         return counts

@@ -22,10 +22,10 @@ PROMPTS = ["The capital of France is Paris. The capital of Italy is",
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2):
+def reference(smollm2_fp32):
     """log_softmax(logits) of transformers' own Llama on the same weights, per prompt position."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(smollm2.folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(smollm2_fp32.folder, dtype=torch.float32).eval()
 
     def score(token_ids: list[int]) -> list[float]:
         with torch.no_grad():
@@ -35,11 +35,11 @@ def reference(smollm2):
 
 
 @pytest.fixture(scope="module", params=["tiers", "no-cache"])
-def server(request, smollm2, tmp_path_factory):
+def server(request, smollm2_fp32, tmp_path_factory):
     """Every cache feature on (prefix caching, host tier, disk store), or prefix caching off."""
     options = ({"host_cache_memory": "32MiB", "store": "disk", "store_path": str(tmp_path_factory.mktemp("store"))}
                if request.param == "tiers" else {"enable_prefix_caching": False})
-    with running_server(smollm2, num_device_blocks=256, block_size=16, **options) as (base, engine):
+    with running_server(smollm2_fp32, num_device_blocks=256, block_size=16, **options) as (base, engine):
         yield base, engine
 
 

@@ -28,6 +28,7 @@ def test_models_lists_adapters_with_their_base_as_parent(server, lora_adapters):
     cards = {card["id"]: card for card in httpx.get(f"{base}/v1/models").json()["data"]}
     assert cards[MODEL]["parent"] is None
     assert cards["alpha"]["parent"] == MODEL and cards["alpha"]["root"] == str(lora_adapters["alpha"])
+    assert "runs" in cards[MODEL] and "runs" not in cards["alpha"]        # an adapter runs on the base's path
     assert httpx.get(f"{base}/v1/models/alpha").json()["id"] == "alpha"
 
 

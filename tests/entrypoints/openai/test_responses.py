@@ -14,7 +14,7 @@ from kvstrata.entrypoints.openai.responses.store import ResponseStore, StoredRes
 from tests.entrypoints.server_helpers import MODEL, blocks_at_rest, running_server, scrape, wait_idle
 
 BLOCK = 16
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of France? Answer in one sentence."
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 

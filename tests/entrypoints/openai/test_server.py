@@ -22,10 +22,11 @@ def client(server):
     return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused")
 
 
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
 def test_chat_completion(client):
-    reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=24, temperature=0)
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
     assert "Paris" in reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"
     assert reply.usage.completion_tokens > 0 and reply.usage.total_tokens == (
@@ -43,8 +44,8 @@ def test_completion_and_cached_tokens(client):
 
 def test_chat_streaming_with_usage(client):
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
-        temperature=0, stream=True, stream_options={"include_usage": True})
+        model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text
@@ -81,7 +82,11 @@ def test_stop_and_seed(client):
 
 def test_models_health_metrics(server):
     base, _ = server
-    assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == MODEL
+    card = httpx.get(f"{base}/v1/models").json()["data"][0]
+    assert card["id"] == MODEL
+    # what runs: the shared test model is `make serve`'s, the file at its bits, its layers in one C++ call
+    assert card["runs"] == {"quantization": "gguf", "dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
+                            "step": "the decoder layers in one C++ call"}
     assert httpx.get(f"{base}/health").json() == {"status": "ok", "disaggregation_mode": "both"}
     assert "kvstrata_kv_blocks" in httpx.get(f"{base}/metrics").text
 
