@@ -3,10 +3,17 @@ resolve), the format deciding the dtype and the path whatever the CPU's float ty
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvstrata.core.config import ModelConfig
+from kvstrata.core.machine import ISA_CAPS, isa_cap_environ, machine
 from kvstrata.model import formats, kernels
 from kvstrata.model.arch import describe
 from kvstrata.model.formats import dense
@@ -103,3 +110,33 @@ def test_a_float_bf16_model_takes_the_kernel_loop(tmp_path):
     save_tiny_hf_model(tmp_path / "hf", TINY)
     loaded = load_model(ModelConfig(model=str(tmp_path / "hf"), dtype="bfloat16"))
     assert loaded.quantization == "none" and isinstance(loaded.model.loop, KernelLoop)
+
+
+# In a child whose CPU is capped (kvstrata.core.machine.isa_cap_environ): what `make serve`'s model runs there.
+CAPPED_DEFAULT = """
+import json
+from kvstrata.core.config import ModelConfig
+from kvstrata.core.machine import ISA_CAPS, isa_cap_environ, machine
+from kvstrata.core.machine import machine
+from kvstrata.model import kernels
+from kvstrata.model.loader import load_model
+loaded = load_model(ModelConfig())
+print(json.dumps({"native_bf16": machine().native_bf16, "level": kernels.level().label, **loaded.runs()}))
+"""
+
+
+@kernels_on
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", ["avx2", "avx512_vnni"])
+def test_the_default_takes_the_fast_path_on_a_cpu_without_bf16(cap):
+    """An AVX2-only EPYC, an Ice Lake Xeon: no native bf16, and the shipped file still runs at its bits in bf16, its
+    layers in one C++ call (built for that ISA level), as on a CPU with bf16. Slow: every library is built for the
+    capped level first (~1 min on 2 cores); the rule itself is tested in the main suite above."""
+    if not set(ISA_CAPS[cap]) <= set(machine().isa):
+        pytest.skip(f"this CPU has no {cap}")
+    done = subprocess.run([sys.executable, "-c", CAPPED_DEFAULT], env={**os.environ, **isa_cap_environ(cap)},
+                          capture_output=True, text=True, timeout=300, check=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not seen["native_bf16"] and seen["level"] == cap
+    assert (seen["quantization"], seen["dtype"], seen["step"]) == ("gguf", "bfloat16", FusedLoop.name), seen
