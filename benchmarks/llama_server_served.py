@@ -3,6 +3,11 @@
     .venv/bin/python benchmarks/llama_server_served.py                 # ~35 min on 2 cores
     .venv/bin/python benchmarks/llama_server_served.py --only stream   # one stream, ~5 min
     .venv/bin/python benchmarks/llama_server_served.py --quick         # checks the pipeline
+    .venv/bin/python benchmarks/llama_server_served.py --only stream --cap avx512_vnni   # as on an Ice Lake
+
+--cap runs both under one ISA cap: kvstrata with kvstrata.core.machine.isa_cap_environ (its kernels, oneDNN,
+FBGEMM and ATen stop at that level), llama-server built with the flags above that level off
+(ISA_CAP=<cap> peers/install_llama_server.sh, a build of its own).
 
 kvstrata serves the embedded SmolLM2 Q4_1 file with `make serve`'s flags (`--host-cache-memory 1GiB
 --store disk`, every other setting at its default: the file at its own bits), on a fresh disk store;
@@ -29,6 +34,8 @@ import time
 from pathlib import Path
 
 import servers
+
+from kvstrata.core.machine import ISA_CAPS, isa_cap_environ
 
 logger = logging.getLogger("llama_server_served")
 KVSTRATA_FLAGS = ("--host-cache-memory", "1GiB", "--store", "disk")       # the Makefile's SERVE_ARGS
@@ -113,15 +120,19 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", choices=("stream", "shared-prefix", "multi-turn"), default=None)
     parser.add_argument("--quick", action="store_true", help="a few short requests per case")
     parser.add_argument("--patience", type=float, default=120)
+    parser.add_argument("--cap", choices=ISA_CAPS, default=None, help="run both engines under this ISA cap")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("served-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
-    servers.install_peers(args.out, ("llama_server",))
+    peer_cap = {"ISA_CAP": args.cap} if args.cap else {}
+    servers.install_peers(args.out, ("llama_server",), peer_cap)
     chosen = {name: flags for name, flags in cases(args.quick).items() if args.only is None or name in args.only}
     with tempfile.TemporaryDirectory(prefix="kvstrata-store-") as store:
         pair = (servers.kvstrata("kvstrata", 8101, *KVSTRATA_FLAGS, "--store-path", store),
                 servers.llama_server("llama-server", 8102))
+        pair[0].env.update(isa_cap_environ(args.cap) if args.cap else {})
+        pair[1].env.update(peer_cap)
         results: dict[str, dict] = {}
         try:
             for server in pair:

@@ -121,9 +121,10 @@ def dummy_gguf(shape: str, gguf_type: str) -> Path:
     return path
 
 
-def install_peers(log_dir: Path, names: tuple[str, ...] = ("vllm", "llama_server")) -> None:
-    """Install (once) the peers named: install_<name>.sh in benchmarks/peers."""
+def install_peers(log_dir: Path, names: tuple[str, ...] = ("vllm", "llama_server"),
+                  env: dict[str, str] | None = None) -> None:
+    """Install (once) the peers named: install_<name>.sh in benchmarks/peers, `env` beside ours."""
     for name in names:
         with open(log_dir / f"install-{name}.log", "w") as out:
             subprocess.run([str(PEERS / f"install_{name}.sh")], stdout=out, stderr=subprocess.STDOUT, check=True,
-                           timeout=3600)
+                           timeout=3600, env={**os.environ, **(env or {})})

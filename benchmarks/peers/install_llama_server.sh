@@ -10,11 +10,17 @@
 #   the GGML ones: sse4_2 (SSE42), avx512f (AVX512), avx512vbmi (AVX512_VBMI, no underscore).
 # - LLAMA_BUILD_UI/LLAMA_USE_PREBUILT_UI OFF, or the build tries to download the web UI (no internet).
 # - The sdist has no git history: the commit is passed by hand (LLAMA_BUILD_COMMIT).
+# - ISA_CAP=avx512_vnni|avx512|avx2 builds one that stops at that level (as kvstrata's KVSTRATA_CPU_ISA caps its
+#   own kernels: avx512_vnni is an Ice Lake Xeon, no bf16) into build/llama-server-<cap>/, to compare the two
+#   engines under the same cap on a CPU that has more (benchmarks/llama_server_served.py --cap).
 #     benchmarks/peers/install_llama_server.sh     # prints the binary's path last
+#     ISA_CAP=avx512_vnni benchmarks/peers/install_llama_server.sh
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 VERSION=0.3.36
-OUT="$PEERS_DIR/build/llama-server"
+CAP=${ISA_CAP:-}
+case "$CAP" in ""|avx2|avx512|avx512_vnni) ;; *) echo "ISA_CAP: one of avx2, avx512, avx512_vnni" >&2; exit 2;; esac
+OUT="$PEERS_DIR/build/llama-server${CAP:+-$CAP}"
 BIN="$OUT/bin/llama-server"
 if test -f "$OUT/.built" && test -x "$BIN"; then echo "$BIN"; exit 0; fi
 mkdir -p "$OUT" "$PEER_CACHE/sdist"
@@ -31,7 +37,11 @@ if ! test -f "$SRC/vendor/llama.cpp/CMakeLists.txt"; then
 fi
 
 flags=$(grep -m1 '^flags' /proc/cpuinfo)
-has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
+# What each cap hides: every flag above its level.
+declare -A ABOVE=([avx2]="avx512f avx512vbmi avx512_vnni avx512_bf16 avx_vnni" [avx512]="avx512_vnni avx512_bf16 avx_vnni"
+                  [avx512_vnni]="avx512_bf16 avx_vnni")
+hidden=" ${ABOVE[$CAP]:-} "
+has() { [[ " $flags " == *" $1 "* && "$hidden" != *" $1 "* ]] && echo ON || echo OFF; }
 CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF
     -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)"
     -DGGML_BMI2="$(has bmi2)" -DGGML_SSE42="$(has sse4_2)" -DGGML_AVX_VNNI="$(has avx_vnni)"

@@ -25,7 +25,7 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 PORT=${1:?usage: serve_llama_server.sh PORT [llama-server args]}; shift
-BIN="$PEERS_DIR/build/llama-server/bin/llama-server"
+BIN="$PEERS_DIR/build/llama-server${ISA_CAP:+-$ISA_CAP}/bin/llama-server"   # ISA_CAP: as install_llama_server.sh
 test -x "$BIN" || { echo "no $BIN: run benchmarks/peers/install_llama_server.sh" >&2; exit 1; }
 GGUF=${GGUF:-$("$PEERS_DIR/../../.venv/bin/python" -c 'from kvstrata.model.loader import default_model_path; print(default_model_path())')}
 exec "$BIN" --model "$GGUF" --alias "${ALIAS:-SmolLM2-135M-Instruct}" --host 127.0.0.1 --port "$PORT" \

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from kvstrata.core.config import ModelConfig
+from kvstrata.model import kernels
 from kvstrata.model.arch import ModelArch, describe
 from kvstrata.model.builder import build
 from kvstrata.model.formats import Resolved, WeightFootprint, WeightFormat, resolve, resolve_device
@@ -34,8 +36,8 @@ from kvstrata.model.sources.folders import default_model_path, file_sha256
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadPlan", "LoadedModel", "ModelArch", "default_model_path", "file_sha256", "load_model", "plan_load",
-           "resolve_device"]
+__all__ = ["LoadPlan", "LoadedModel", "ModelArch", "default_model_path", "describe_runs", "file_sha256", "load_model",
+           "plan_load", "resolve_device"]
 
 
 @dataclass
@@ -68,14 +70,20 @@ class LoadedModel:
         return self.dtype
 
     def runs(self) -> dict[str, str]:
-        """What runs: the weight format, the activations' dtype and a step's path (/v1/models says it)."""
+        """What runs: the weight format, the activations' dtype, a step's path and the ISA level our kernels were
+        built for here (/v1/models says it; "off" where they do not run: on a GPU, or kernels.off_reason)."""
+        on = self.device.type == "cpu" and kernels.off_reason() is None
         return {"quantization": self.format.describe(), "dtype": str(self.dtype).removeprefix("torch."),
-                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."), "step": self.model.loop.name}
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."), "step": self.model.loop.name,
+                "kernels": kernels.level().label if on else "off"}
 
     def describe(self) -> str:
-        """`runs()` in a few words, for the start-up log and the server's ready line."""
-        runs = self.runs()
-        return f"{runs['quantization']}, {runs['dtype']}, {runs['step']}"
+        return describe_runs(self.runs())
+
+
+def describe_runs(runs: Mapping[str, str]) -> str:
+    """`LoadedModel.runs()` in a few words, for the start-up log and the server's ready line."""
+    return f"{runs['quantization']}, {runs['dtype']}, {runs['step']} (kernels: {runs['kernels']})"
 
 
 @dataclass(frozen=True)

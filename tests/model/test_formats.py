@@ -51,7 +51,7 @@ def test_a_gguf_runs_at_its_bits_in_bf16_whatever_the_cpus_float_types(at_bits, 
     loaded = load_model(ModelConfig(model=at_bits))
     assert isinstance(loaded.model.loop, FusedLoop)
     assert loaded.runs() == {"quantization": "gguf", "dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
-                             "step": FusedLoop.name}
+                             "step": FusedLoop.name, "kernels": kernels.level().label}
     assert resolved(model=at_bits, quantization="none").dtype == torch.float32       # float weights: float32
 
 
@@ -116,12 +116,10 @@ def test_a_float_bf16_model_takes_the_kernel_loop(tmp_path):
 CAPPED_DEFAULT = """
 import json
 from kvstrata.core.config import ModelConfig
-from kvstrata.core.machine import ISA_CAPS, isa_cap_environ, machine
 from kvstrata.core.machine import machine
-from kvstrata.model import kernels
 from kvstrata.model.loader import load_model
 loaded = load_model(ModelConfig())
-print(json.dumps({"native_bf16": machine().native_bf16, "level": kernels.level().label, **loaded.runs()}))
+print(json.dumps({"native_bf16": machine().native_bf16, **loaded.runs()}))
 """
 
 
@@ -138,5 +136,5 @@ def test_the_default_takes_the_fast_path_on_a_cpu_without_bf16(cap):
                           capture_output=True, text=True, timeout=300, check=True,
                           cwd=Path(__file__).resolve().parents[2])
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert not seen["native_bf16"] and seen["level"] == cap
+    assert not seen["native_bf16"] and seen["kernels"] == cap
     assert (seen["quantization"], seen["dtype"], seen["step"]) == ("gguf", "bfloat16", FusedLoop.name), seen

@@ -30,6 +30,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvstrata.engine.llm_engine import LLMEngine
     from kvstrata.entrypoints.openai.api_server import create_app
     from kvstrata.kvcache.faults import ENV_VAR, FaultInjector
+    from kvstrata.model.loader import describe_runs
 
     if args.model_arg is not None:
         if args.model is not None and args.model != args.model_arg:
@@ -65,10 +66,9 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=server.shutdown_timeout, access_log=False)
-    runs = async_engine.info.runs
     ready_server(config, f"serving {name} on http://{server.host}:{server.port} (OpenAI API under /v1), "
-                        f"ready {time.monotonic() - started:.1f}s after loading began: {runs['quantization']}, "
-                        f"{runs['dtype']}, {runs['step']}").run()
+                        f"ready {time.monotonic() - started:.1f}s after loading began: "
+                        f"{describe_runs(async_engine.info.runs)}").run()
     log = logging.getLogger("kvstrata")
     log.info("shutting down: %d requests in flight", async_engine.num_unfinished)
     async_engine.shutdown()

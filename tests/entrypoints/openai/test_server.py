@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from kvstrata.model import kernels
 from tests.entrypoints.server_helpers import MODEL, blocks_at_rest, running_server, scrape, wait_idle
 
 
@@ -86,7 +87,7 @@ def test_models_health_metrics(server):
     assert card["id"] == MODEL
     # what runs: the shared test model is `make serve`'s, the file at its bits, its layers in one C++ call
     assert card["runs"] == {"quantization": "gguf", "dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
-                            "step": "the decoder layers in one C++ call"}
+                            "step": "the decoder layers in one C++ call", "kernels": kernels.level().label}
     assert httpx.get(f"{base}/health").json() == {"status": "ok", "disaggregation_mode": "both"}
     assert "kvstrata_kv_blocks" in httpx.get(f"{base}/metrics").text
 
