@@ -105,6 +105,20 @@ def test_the_fused_call_splits_its_time(own_bits, monkeypatch):
     assert all(part > 0 for part in fused.seconds), list(fused.seconds)      # projections, attention, the rest
 
 
+def test_a_cache_at_the_address_of_a_freed_one_gets_its_own_layer_addresses(own_bits):
+    """An engine closed and another opened with a smaller cache: the allocator may hand out the same address, but
+    the layers lie at other offsets. The fused call reaching the old ones wrote past the new cache (a heap
+    corruption, seen as aborts in the engine tests)."""
+    fused = own_bits.model.loop.fused
+    big = new_cache(own_bits, 8)
+    small = new_cache(own_bits, 2)
+    small.data = big.data.flatten()[:small.data.numel()].view(small.data.shape)      # the same address, smaller
+    assert small.data.data_ptr() == big.data.data_ptr() and small.layer(1).data_ptr() != big.layer(1).data_ptr()
+    for kv in (big, small, big):
+        layers = fused._layers_for(kv)
+        assert [layers[i].kv for i in range(len(layers))] == [kv.layer(i).data_ptr() for i in range(len(layers))]
+
+
 def test_a_widened_projection_or_a_float32_model_keeps_the_python_loop(tmp_path):
     bits = {kind: "Q4_0" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")}
     path = tiny_gguf(tmp_path / "widened", TINY, {**bits, "ffn_down": "F16"}, seed=5)

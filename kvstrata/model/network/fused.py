@@ -36,17 +36,18 @@ class FusedLayers:
     call: DecoderLayers
     layers: list[KvsLayer]                       # without their caches' addresses (set per cache)
     seconds: ctypes.Array | None = None
-    _bound: tuple[int, ctypes.Array] | None = None     # (the cache's address, the layers with theirs)
+    _bound: tuple[tuple, ctypes.Array] | None = None    # (the cache's address and shape, the layers with theirs)
 
     def _layers_for(self, kv: PagedKVCache) -> ctypes.Array:
         """The layers with `kv`'s addresses: kept for the last cache seen (read once into a local, so two engines
-        stepping one model on two threads never get each other's)."""
-        address, bound = kv.data.data_ptr(), self._bound
-        if bound is None or bound[0] != address:
+        stepping one model on two threads never get each other's). Keyed by the address and the shape: a cache
+        freed and another of a different size allocated at the same address has its layers elsewhere."""
+        key, bound = (kv.data.data_ptr(), tuple(kv.data.shape)), self._bound
+        if bound is None or bound[0] != key:
             array = (KvsLayer * len(self.layers))(*self.layers)
             for index in range(len(self.layers)):
                 array[index].kv = kv.layer(index).data_ptr()
-            bound = self._bound = (address, array)
+            bound = self._bound = (key, array)
         return bound[1]
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
