@@ -48,8 +48,9 @@ REFUSED: dict[type[BaseModel], dict[str, Any]] = {protocol.SamplingBody: protoco
 ENDPOINTS: dict[str, str] = {
     "/v1/chat/completions": "a chat reply (streamed with `stream: true`)",
     "/v1/completions": "a text completion of a prompt (streamed with `stream: true`)",
-    "/v1/models": "the served model, with its `max_model_len`, then each LoRA adapter served (its folder as "
-                  "`root`, the model as `parent`)",
+    "/v1/models": "the served model, with its `max_model_len` and what runs (`runs`: the weight format, dtype, KV "
+                  "cache dtype, a step's path and the ISA level of kvstrata's kernels), then each LoRA adapter served "
+                  "(its folder as `root`, the model as `parent`)",
     "/v1/models/{model_id:path}": "the served model or an adapter by name; any other name is 404",
     "/v1/load_lora_adapter": "vLLM's: serve the PEFT adapter at `lora_path` as `lora_name` (with --enable-lora); "
                              "read and checked first, so a bad one is a 400 and changes nothing",
