@@ -76,7 +76,8 @@ class ShapeRecorder:
         self.could_draft = 0
         self.drafted_per_pos: list[int] = []
 
-    def execute(self, output):
+    def execute(self, output, *rest):
+        """The runner's `execute`, noting the step first (`rest`: the step's adapters, passed on)."""
         self.last = None if output.is_empty else BatchShape.of(output.chunks, self.runner.block_size,
                                                                self.runner.decodes_in_place)
         self.last_drafted = any(c.draft_token_ids for c in output.chunks)
@@ -88,7 +89,7 @@ class ShapeRecorder:
         self.could_draft += sum(1 for c in output.chunks if c.sample and c.request.num_lookahead_tokens
                                 and c.num_tokens - len(c.draft_token_ids) == 1 and not c.forks
                                 and c.request.sampling.max_tokens - c.request.num_output_tokens > 1)
-        return self.runner.execute(output)
+        return self.runner.execute(output, *rest)
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)          # the rest of the runner, as the engine sees it
