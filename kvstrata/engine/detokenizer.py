@@ -38,8 +38,11 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, **self._decode_options)
 
     def add(self, token_id: int) -> str | None:
-        """Take one output token; return the stop string it completed, if any (text is cut before it)."""
+        """Take one output token; return the stop string it completed, if any (text is cut before it). A model
+        without a tokenizer (token ids in and out) has no text: nothing to decode, no stop string."""
         self.tokens.append(token_id)
+        if self.tokenizer is None:
+            return None
         prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.tokens[self.prefix_offset:])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):

@@ -182,6 +182,9 @@ class LLMEngine:
         if params.structured is not None and self.runner.sampler.grammars is None:
             raise RequestRejected("structured output needs the model's tokenizer, and this model has none",
                                   params.structured.param)
+        if params.stop and self.tokenizer is None:
+            raise RequestRejected("stop strings need the model's tokenizer, and this model has none (stop on "
+                                  "token ids with stop_token_ids)", "stop")
         vocab = self.loaded.arch.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise RequestRejected(f"token ids must be in [0, {vocab})", "prompt")

@@ -24,7 +24,9 @@ TINY = dict(model_type="llama", vocab_size=50_000, hidden_size=64, intermediate_
 
 # Parameter counts as the real models' cards give them, to 0.01B.
 REAL_SIZES = {"llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21, "llama-3.1-8b": 8.03, "qwen2.5-1.5b": 1.54,
-              "qwen2.5-7b": 7.62}
+              "qwen2.5-7b": 7.62, "qwen3-0.6b": 0.60, "qwen3-4b": 4.02, "qwen3-8b": 8.19,
+              "gemma-3-1b": 1.00, "gemma-3-4b": 3.88, "gemma-3-12b": 11.77}     # Gemma: the language model's
+ROPE = {"llama": "llama3", "gemma-3-4b": "linear", "gemma-3-12b": "linear"}
 
 
 @pytest.fixture
@@ -43,8 +45,8 @@ def test_shipped_shapes_are_the_real_models(name):
     assert round(parameters / 1e9, 2) == REAL_SIZES[name]
     assert DenseFormat().footprint(arch, torch.bfloat16, torch.device("cpu")).parameters == parameters - sum(
         shape[0] for key, shape in dummy.tensor_shapes(arch).items() if "norm" in key or key.endswith("bias"))
-    assert arch.attention_bias == name.startswith("qwen")
-    assert (arch.rope_scaling or {}).get("rope_type") == ("llama3" if name.startswith("llama") else None)
+    assert arch.attention_bias == name.startswith("qwen2")
+    assert (arch.rope_scaling or {}).get("rope_type") == ROPE.get(name.split("-")[0], ROPE.get(name))
 
 
 def test_each_tensor_depends_on_its_name_and_seed_alone():
@@ -111,6 +113,7 @@ def greedy_with_and_without_caches(loaded, prompts: list[list[int]], block_size:
         engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, num_device_blocks=device_blocks,
                                                      block_size=block_size, **options), loaded=loaded)
         done = [out.new_token_ids for prompt in prompts for out in engine.generate([prompt], params)]
+        assert all(len(tokens) == params.max_tokens for tokens in done), "a request ended early (an error?)"
         rest = engine.tiers.audit()
         assert all(c.used == 0 and c.in_flight == 0 for c in rest.values()), f"blocks held at rest: {rest}"
         return done, dict(engine.tiers.stats.hit_tokens)
