@@ -46,8 +46,8 @@ class PromptEncoder:
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, ChatPrompt):
             return self.chat_prompt(prompt.messages, prompt.tools, prompt)
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, str):     # the tokenizer's special tokens, as vLLM's completions add them: a
+            return self.tokenizer.encode(prompt, add_special_tokens=True)     # Gemma's <bos> (SmolLM2 has none)
         return [int(t) for t in prompt]
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),

@@ -83,8 +83,8 @@ class PromptTokens:
             prompt = body["prompt"]
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
-            if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt, add_special_tokens=False)
+            if isinstance(prompt, str):              # as the engine encodes it (kvstrata.engine.prompts)
+                return self.tokenizer.encode(prompt, add_special_tokens=True)
             return [int(t) for t in prompt]
         except Exception:       # noqa: BLE001 - any unreadable body is the engine's to refuse
             return None

@@ -253,7 +253,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool = True                # vLLM's default for a prompt, as /v1/completions encodes it
 
 
 class DetokenizeRequest(OpenAIModel):
