@@ -1,4 +1,4 @@
-"""A GGUF's Q4_0 / Q4_1 / Q8_0 / Q6_K / BF16 matrices served at their own bits (`--quantization gguf`): the kernel
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / BF16 matrices served at their own bits (`--quantization gguf`): the kernel
 multiplies by exactly what gguf-py dequantizes (activations quantized to int8 blocks, as llama.cpp does; float32
 for BF16), its AVX-512 VNNI, AVX2 and plain paths give the same bits, a row's result does not depend on its
 batch, other types are widened with a warning, and the engine's greedy outputs are the same with every cache
@@ -37,19 +37,29 @@ def private_cache(tmp_path, monkeypatch):
 
 def quantized(kind: str, shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A random matrix as a GGUF type's raw rows, and what gguf-py dequantizes them to (float64). gguf-py
-    cannot quantize to Q6_K: its blocks are random bytes with a small float16 d (every quant, scale and
-    bit of the layout reached)."""
+    cannot quantize to the K-quants: their blocks are random bytes with small float16 scales (every quant, scale
+    and bit of the layout reached)."""
     rng = np.random.default_rng(seed)
-    if kind == "Q6_K":
-        blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, 210), dtype=np.uint8)
-        blocks[..., 208:210] = rng.uniform(1e-3, 4e-3, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
-        blocks[3, :, 208:210] = 0                               # d = 0
+    if kind in K_SCALES:
+        size, scales = GGUF_TYPES[kind].block_bytes, K_SCALES[kind]
+        blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, size), dtype=np.uint8)
+        for at in scales:
+            blocks[..., at:at + 2] = rng.uniform(1e-3, 4e-3, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+            blocks[3, :, at:at + 2] = 0                         # d = 0 (and dmin = 0)
         raw = blocks.reshape(shape[0], -1)
     else:
         w = rng.normal(0, 0.3, shape).astype(np.float32)
         w[3] = 0.0                                              # an all-zero row: d = 0
         raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
     return torch.from_numpy(raw), torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).double()
+
+
+# Where a K-quant block keeps its float16 scales: Q6_K's d; Q4_K's and Q5_K's d and dmin
+K_SCALES = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+# The kernel's bytes a weight (csrc/gguf_blocks.h's table): the file's, but a byte a weight for 5- and 6-bit quants
+# and float32 scales for the K-quants' blocks of 32
+PACKED_BYTES = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q5_0": 34 / 32, "Q5_1": 36 / 32,
+                "Q4_K": 24 / 32, "Q5_K": 40 / 32, "Q6_K": 36 / 32, "BF16": 2}
 
 
 def int8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -86,9 +96,7 @@ def test_the_kernel_multiplies_by_what_gguf_py_dequantizes_and_every_path_gives_
     assert (y.double() - plain).abs().max() <= 2e-2 * plain.abs().max()
     linear = GGUFLinear.from_rows(kind, raw, bias)
     assert torch.equal(linear(x[:1]), y[:1]) and torch.equal(linear(x[3:8]), y[3:8])
-    facts = GGUF_TYPES[kind]
-    file_bytes = 80 * 256 * (facts.block_bytes / facts.block_weights if kind != "Q6_K" else 1.125)   # rows to 16
-    assert linear.nbytes == file_bytes
+    assert linear.nbytes == 80 * 256 * PACKED_BYTES[kind]          # rows to 16
     unbiased, xb = GGUFLinear.from_rows(kind, raw), x.bfloat16()   # bf16 in, bf16 out: the float32 sums rounded once
     assert torch.equal(unbiased(xb), unbiased(xb.float()).bfloat16())
 
@@ -214,4 +222,4 @@ def test_greedy_outputs_at_own_bits_are_the_same_with_every_cache_feature_on_as_
     plain, plain_hits = run(num_device_blocks=64, enable_prefix_caching=False)
     cached, hits = run(num_device_blocks=12, num_host_blocks=8, store="disk", store_path=str(tmp_path / "store"))
     assert sum(plain_hits.values()) == 0 and sum(hits.values()) > 0, hits
-    assert cached == plain
+    assert all(len(out) == 24 for out in plain) and cached == plain     # every request ran to its end

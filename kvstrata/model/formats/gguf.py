@@ -10,19 +10,24 @@ product (AVX-512 VNNI's u8 x s8 sums, or AVX2's), scaled once in float32:
 - Q4_0 (d, 4-bit q):  w = d * (q - 8)
 - Q4_1 (d, m, q):     w = d * q + m
 - Q8_0 (d, int8 q):   w = d * q
+- Q5_0 / Q5_1 (5-bit q): as Q4_0 (offset 16) / Q4_1
+- Q4_K / Q5_K (blocks of 256: 8 of 32 with 6-bit scales sc and minimums mn, f16 d and dmin): w = d sc q - dmin mn
 - Q6_K (d, int8 sc per 16, 6-bit q per weight, in blocks of 256): w = d * sc * (q - 32)
-with the file's float16 d and m as they are. The weights are repacked once at load (tiles of 16 rows,
-see the C++ source) at the same bytes as the file, but Q6_K at a byte a weight (1.125 with its scales,
-against the file's 0.82 and bfloat16's 2: llama-quantize keeps the output matrix of a Q4_0 file in Q6_K,
-a third of a 1B model's bytes). Every ISA path gives the same bits, and a row's
+with the file's float16 d and m as they are (the K-quants' d sc and dmin mn in float32, where they are exact).
+The weights are repacked once at load (tiles of 16 rows, csrc/gguf_blocks.h) at the file's bytes for Q4_0, Q4_1
+and Q8_0, wider for the 5- and 6-bit kinds (a byte a weight) and the K-quants' scales. A fused projection whose
+parts are of kinds that share no layout (a Q4_K_M file's Q5_0 q and k beside its Q8_0 v) runs each part at its
+bits into its columns of one output (`GGUFParts`). Every ISA path gives the same bits, and a row's
 result never depends on the other rows of its batch, so greedy outputs do not depend on batching or on
 what the caches held. `benchmarks/quant_accuracy.py` measures the perplexity int8 activations cost
 (llama.cpp pays the same). BF16 matrices take the activations as they are (bf16, or float32) in float32
 FMAs with denormals flushed, the bits of AVX512-BF16's dot product (csrc/bf16_tiles.h).
 
 Block layouts (ggml): Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]}, Q8_0 {f16 d; i8 qs[32]};
-a 4-bit block holds weight j in the low nibble of qs[j] and weight j + 16 in its high nibble. Q6_K
-{u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d} for 256 weights (the C++ packer unpacks it). What a new type touches: docs/design/model.md.
+a 4-bit block holds weight j in the low nibble of qs[j] and weight j + 16 in its high nibble; Q5_0 / Q5_1 add
+u32 qh (the fifth bits) after d (and m). Q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}, Q5_K adds u8
+qh[32] before qs, Q6_K {u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d}, each for 256 weights (the C++ packer unpacks
+them). What a new type touches: docs/design/model.md.
 """
 
 from __future__ import annotations
@@ -96,19 +101,45 @@ class GGUFLinear(Projection):
         return self.packed.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        assert x.dim() == 2 and x.shape[1] == self.n_in
-        xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-        if xk.stride(1) != 1:
-            xk = xk.contiguous()
-        y = xk.new_empty(xk.shape[0], self.n_out)
-        self.kernel(self.kind, self.packed, self.n_out, xk, y)
-        y = y if y.dtype == x.dtype else y.to(x.dtype)
-        return y if self.bias is None else y.add_(self.bias)
+        return _run([self], self.n_out, self.bias, x)
 
     def kernel_view(self) -> KvsProjection | None:
         if self.bias is not None:
             return None
         return KvsProjection(self.packed.data_ptr(), gguf_type(self.kind).kind, self.n_out, self.n_in)
+
+
+@dataclass(frozen=True)
+class GGUFParts(Projection):
+    """A fused projection whose parts the file keeps in types that share no layout (Gemma 3's Q5_0 q and k beside a
+    Q8_0 v): each part at its own bits, written into its columns of the one output."""
+
+    parts: list[GGUFLinear]         # each without bias (`in_one_arena` may replace them)
+    n_out: int
+    bias: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self.parts, self.n_out, self.bias, x)
+
+
+def _run(parts: list[GGUFLinear], n_out: int, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """x (M, in) times each part's matrix, into its columns of y (M, n_out), in the dtype x came in (float32 and
+    bfloat16 directly, others through float32), plus the bias."""
+    assert x.dim() == 2 and all(x.shape[1] == part.n_in for part in parts)
+    xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+    if xk.stride(1) != 1:
+        xk = xk.contiguous()
+    y = xk.new_empty(xk.shape[0], n_out)
+    column = 0
+    for part in parts:
+        part.kernel(part.kind, part.packed, part.n_out, xk, y if len(parts) == 1 else y[:, column:column + part.n_out])
+        column += part.n_out
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if bias is None else y.add_(bias)
 
 
 def in_one_arena(slots: list[tuple[dict, str]]) -> None:
@@ -140,12 +171,15 @@ class GGUFBlocks:
         with safe_open(folder / BLOCKS_FILE, "pt") as f:
             return cls({name: f.get_tensor(name) for name in f.keys()}, json.loads(f.metadata()["types"]))
 
-    def linear(self, names_: list[str], bias: torch.Tensor | None = None) -> GGUFLinear | None:
-        """The matrices `names_` stacked by rows as one `GGUFLinear`, or None unless each is in a type served at
-        its bits and they can share one (Q4_0 beside Q4_1 runs as Q4_1; other mixes are widened)."""
-        kind = shared_kind([self.types.get(n, "") for n in names_]) if all(n in self.raw for n in names_) else None
-        if kind is None:
+    def linear(self, names_: list[str], bias: torch.Tensor | None = None) -> GGUFLinear | GGUFParts | None:
+        """The matrices `names_` stacked by rows as one `GGUFLinear` where they share a type (Q4_0 beside Q4_1 runs
+        as Q4_1), else as `GGUFParts`; None unless each is in a type served at its bits."""
+        if not all(n in self.raw and self.types[n] in GGUF_TYPES for n in names_):
             return None
+        kind = shared_kind([self.types[n] for n in names_])
+        if kind is None:
+            parts = [GGUFLinear.from_rows(self.types[n], self.raw[n]) for n in names_]
+            return GGUFParts(parts, sum(part.n_out for part in parts), bias)
         raws = [as_q4_1(self.raw[n]) if self.types[n] == "Q4_0" and kind == "Q4_1" else self.raw[n] for n in names_]
         return GGUFLinear.from_rows(kind, torch.cat(raws), bias)
 
@@ -155,7 +189,7 @@ class GGUFBlocks:
 
 
 def shared_kind(kinds: list[str]) -> str | None:
-    """The one type the kernel runs parts of these types in, or None (then the projection is widened)."""
+    """The one type the kernel runs parts of these types in as one matrix, or None (then each part on its own)."""
     distinct = set(kinds)
     if distinct == {"Q4_0", "Q4_1"}:
         return "Q4_1"
@@ -176,7 +210,7 @@ def all_at_bits(arch: ModelArch, types: dict[str, str]) -> bool:
     """Whether every projection and the head of `arch` runs at its file's bits (so a step is our kernels only)."""
     matrices = [names.parts(i, p) for i in range(arch.num_layers) for p in names.PROJECTIONS]
     matrices.append([names.head(arch.tie_word_embeddings)])
-    return all(shared_kind([types.get(n, "") for n in parts]) is not None for parts in matrices)
+    return all(types.get(n) in GGUF_TYPES for parts in matrices for n in parts)
 
 
 class GGUFFormat(WeightFormat):
@@ -208,7 +242,7 @@ class GGUFFormat(WeightFormat):
         return DenseFormat().auto_dtype(target)
 
     def footprint(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> WeightFootprint:
-        """Once loaded: the matrices at their bits (at most 1.25 bytes a weight: Q6_K's 1.125 and a margin) and
+        """Once loaded: the matrices at their bits (at most 1.25 bytes a weight: Q5_K packed, Q6_K 1.125) and
         the embeddings in the dtype. While loading: the file's blocks read whole beside their packed copies, and
         a widened matrix at a time in float32."""
         parameters, linear, embed, largest = weight_counts(arch)
@@ -249,6 +283,7 @@ class GGUFFormat(WeightFormat):
                            "matrix" if len(widened) == 1 else "matrices", str(ctx.dtype).removeprefix("torch."),
                            blocks.widened(widened), ", ".join(GGUF_TYPES))
         blocks.raw.clear()                  # the file's rows: each slot below then holds its weights' only copy
-        in_one_arena([(where, key) for where in [*layers, head] for key in where
-                      if isinstance(where[key], GGUFLinear)])
+        in_one_arena([(where, key) for where in [*layers, head] for key in where if isinstance(where[key], GGUFLinear)]
+                     + [(proj.parts, i) for where in [*layers, head] for proj in where.values()
+                        if isinstance(proj, GGUFParts) for i in range(len(proj.parts))])
         return Packed(layers, head["head"])

@@ -5,10 +5,10 @@ Reading a GGUF is slow in Python (`gguf.GGUFReader` parses ~100k tokenizer field
 3-5 s; transformers' GGUF tokenizer path parses it again), so the result is cached:
 
     <cache root>/models/gguf-<sha256 of the file>-v<CONVERTER_VERSION>/
-        model.safetensors   float32, HF Llama tensor names, q/k rows back in HF order
+        model.safetensors   float32, HF tensor names, q/k rows back in HF order (llama), Gemma norms less their 1
         gguf-blocks         (safetensors) the file's own blocks of every matrix in a type the GGUF kernel runs,
                             rows in the same order, and every matrix's GGUF type (`--quantization gguf`)
-        config.json         HF Llama config (both `rope_theta` and v5 `rope_parameters`)
+        config.json         the family's HF config (v5 `rope_parameters`, and `rope_theta` for Llama's)
         tokenizer.json, tokenizer_config.json, chat_template.jinja   (when the GGUF has a tokenizer)
         kvstrata.json       where it came from
 
@@ -41,7 +41,7 @@ from kvstrata.model.kernels.gguf import GGUF_TYPES
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 4          # 2: gguf-blocks; 3: Q6_K's blocks too; 4: BF16's
+CONVERTER_VERSION = 5          # 2: gguf-blocks; 3: Q6_K's blocks too; 4: BF16's; 5: Q5_0, Q5_1, Q4_K, Q5_K's
 BLOCKS_FILE = "gguf-blocks"    # the file's own blocks of every matrix in a type the GGUF kernel runs
 
 _QUANT_SUFFIX = re.compile(r"[.-](?:[a-z]?q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
@@ -132,6 +132,8 @@ def _convert_weights(path: Path, out: Path, bar: tqdm) -> bool:
             continue
         name = layout.hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if layout.norm_shift and name.endswith("norm.weight"):     # Gemma's stored 1 + w, as transformers reads it
+            w = w - np.float32(layout.norm_shift)
         rope_heads = None if not layout.permuted_rope else heads if ".q_proj." in name else \
             kv_heads if ".k_proj." in name else None
         tensors[name] = _hf_rows(w, rope_heads)

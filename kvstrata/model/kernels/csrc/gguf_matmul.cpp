@@ -1,23 +1,15 @@
-// A GGUF's Q4_0 / Q4_1 / Q8_0 / Q6_K matrices times activation rows, the weights read at their own bits (see
-// kvstrata/model/gguf_bits.py). A decode step is memory-bound: what it costs is the bytes of weights it
-// reads, so the weights stay 4.5-8.5 bits and the activations come down to them instead, as llama.cpp does:
-// each row is quantized to int8 in blocks of 32 (d = max|x| / 127), and a weight block times an
-// activation block is one integer dot product (VNNI's u8 x s8 -> s32), scaled once in float32.
-//
-// Layout (`kvs_gguf_pack` writes it): output rows go in tiles of 16; a tile holds its blocks in order,
-// each block its 16 rows' quants interleaved 4 bytes a row (so one 64-byte load is 16 rows x 4 inputs,
-// which a broadcast of 4 activation bytes multiplies lane by lane: no horizontal sums), then the 16
-// rows' float16 scales d, then (Q4_1) their float16 minimums m. Q4 bytes keep the file's nibbles (input
-// j low, j + 16 high); Q8_0 quants are stored + 128 so they are unsigned. Q6_K (w = d * sc * (q - 32),
-// one int8 sc per 16 weights, one d per 256) is kept a byte a weight, 1.125 bytes with its scales (the
-// file's 0.82; bfloat16 is 2): each block holds its 16 rows' quants, then d (repeated for each block),
-// then their int8 sc (16 for inputs 0-15, then 16 for inputs 16-31).
+// A GGUF's quantized matrices (Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K) times activation rows, the
+// weights read at their own bits or near them (gguf_blocks.h: the layout each kind is packed into). A decode
+// step is memory-bound: what it costs is the bytes of weights it reads, so the weights stay 4.5-10 bits and
+// the activations come down to them instead, as llama.cpp does: each row is quantized to int8 in blocks of 32
+// (d = max|x| / 127), and a weight block times an activation block is one integer dot product (VNNI's u8 x s8
+// -> s32), scaled once in float32.
 //
 // Exactness: a block's integer sum s = sum((q - offset) * xq) is exact on every path; then
-// acc = fma(d, float(s) * dx, acc) (and Q4_1: acc = fma(m, dx * sum(xq), acc)), block after block in order
-// (Q6_K: each half block's sum s_h, acc = fma(d * sc_h, float(s_h) * dx, acc), d * sc_h exact in float32).
-// The AVX-512 VNNI, AVX2 and plain paths do these same float operations, so they give the same bits, and
-// a row's result depends only on that row: never on the rows beside it, their number or the thread.
+// acc = fma(d, float(s) * dx, acc) (and the kinds with a minimum: acc = fma(m, dx * sum(xq), acc)), block after
+// block in order (Q6_K: each half block's sum s_h, acc = fma(d * sc_h, float(s_h) * dx, acc), d * sc_h exact in
+// float32). The AVX-512 VNNI, AVX2 and plain paths do these same float operations, so they give the same bits,
+// and a row's result depends only on that row: never on the rows beside it, their number or the thread.
 
 #include <immintrin.h>
 
@@ -29,27 +21,12 @@
 #include <vector>
 
 #include "bf16_tiles.h"
+#include "gguf_blocks.h"
 #include "kvs_abi.h"
 
 namespace {
 
-constexpr int64_t TILE = 16;                   // output rows per tile
-constexpr int64_t QK = 32;                     // weights per block
 constexpr int R = 4;                           // activation rows per pass over a tile's weights
-
-#define KVS_KIND(kind, name, weights, bytes) name = kind,
-enum Kind : int { KVS_GGUF_TYPES(KVS_KIND) };     // BF16: bf16_tiles.h
-#undef KVS_KIND
-
-constexpr bool byte_quants(int kind) { return kind == Q8_0 || kind == Q6_K; }
-constexpr int64_t data_bytes(int kind) { return byte_quants(kind) ? 512 : 256; }
-constexpr int64_t block_stride(int kind) { return data_bytes(kind) + 32 + (kind == Q4_1 || kind == Q6_K ? 32 : 0); }
-constexpr int32_t offset_of(int kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : kind == Q6_K ? 32 : 0; }
-#define KVS_FACT(kind, name, weights, bytes) {weights, bytes},
-constexpr int64_t SOURCE[][2] = {KVS_GGUF_TYPES(KVS_FACT)};      // a file block's weights and bytes, by kind
-#undef KVS_FACT
-constexpr int64_t source_weights(int kind) { return SOURCE[kind][0]; }
-constexpr int64_t source_bytes(int kind) { return SOURCE[kind][1]; }
 
 // One row's activations as int8 blocks: quants, scale, the quants' sum, and scale * sum (Q4_1's minimum term).
 struct Acts {
@@ -60,12 +37,6 @@ struct Acts {
     const float* sxd;     // (rows, nb)
     int64_t in, nb;
 };
-
-float half_to_float(const uint8_t* p) {
-    _Float16 h;
-    std::memcpy(&h, p, 2);
-    return static_cast<float>(h);
-}
 
 // Activation rows to int8 blocks. Every operation is exactly rounded (max of magnitudes, divide, multiply,
 // round half to even, integer sums), so the three paths give the same quants.
@@ -160,6 +131,15 @@ void quantize_row(const float* x, int64_t in, const Quants& out) {
 #endif
 }
 
+// Row l's scale (or minimum) of a block's 16 starting at p: float16, or float32 for the K-quants.
+template <int KIND>
+inline float scale_at(const uint8_t* p, int64_t l) {
+    if (!wide_scales(KIND)) return half_to_float(p + 2 * l);
+    float v;
+    std::memcpy(&v, p + 4 * l, 4);
+    return v;
+}
+
 // The plain path: what the vector paths compute, one lane at a time.
 template <int KIND>
 void tile_plain(const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*acc)[TILE]) {
@@ -177,7 +157,7 @@ void tile_plain(const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*
                     u[i] = i < 16 ? byte & 0x0F : byte >> 4;
                 }
             }
-            const float d = half_to_float(blk + data_bytes(KIND) + 2 * l);
+            const float d = scale_at<KIND>(blk + d_at(KIND), l);
             for (int r = 0; r < nr; ++r) {
                 const int64_t row = r0 + r;
                 const int8_t* xq = a.q + row * a.in + b * QK;
@@ -186,7 +166,7 @@ void tile_plain(const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*
                         int32_t s = 0;
                         for (int i = 16 * h; i < 16 * h + 16; ++i) s += u[i] * xq[i];
                         s -= offset_of(KIND) * a.sx16[row * 2 * a.nb + 2 * b + h];
-                        const float scale = static_cast<float>(static_cast<int8_t>(blk[544 + 16 * h + l])) * d;
+                        const float scale = static_cast<float>(static_cast<int8_t>(blk[m_at(KIND) + 16 * h + l])) * d;
                         acc[r][l] = std::fma(scale, static_cast<float>(s) * a.dx[row * a.nb + b], acc[r][l]);
                     }
                     continue;
@@ -196,9 +176,8 @@ void tile_plain(const uint8_t* tile, const Acts& a, int64_t r0, int nr, float (*
                 s -= offset_of(KIND) * a.sx[row * a.nb + b];
                 const float p = static_cast<float>(s) * a.dx[row * a.nb + b];
                 acc[r][l] = std::fma(d, p, acc[r][l]);
-                if (KIND == Q4_1)
-                    acc[r][l] = std::fma(half_to_float(blk + data_bytes(KIND) + 32 + 2 * l),
-                                         a.sxd[(r0 + r) * a.nb + b], acc[r][l]);
+                if (has_min(KIND))
+                    acc[r][l] = std::fma(scale_at<KIND>(blk + m_at(KIND), l), a.sxd[(r0 + r) * a.nb + b], acc[r][l]);
             }
         }
     }
@@ -220,7 +199,7 @@ inline typename V::F block_into(typename V::F acc, const typename V::I* sums, ty
         return acc;
     }
     acc = V::fmadd(d, V::mul(V::to_float(V::less(V::add(sums[0], sums[1]), offset * a.sx[row * a.nb + b])), dx), acc);
-    return KIND == Q4_1 ? V::fmadd(m, V::splat(a.sxd[row * a.nb + b]), acc) : acc;
+    return has_min(KIND) ? V::fmadd(m, V::splat(a.sxd[row * a.nb + b]), acc) : acc;
 }
 
 // The vector ops `block_into` takes, defined once for both widths (BITS 256: AVX2, 512: AVX-512).
@@ -238,6 +217,13 @@ inline typename V::F block_into(typename V::F acc, const typename V::I* sums, ty
 
 #ifdef __AVX512VNNI__
 KVS_VECTOR(V512, 512)
+
+// A block's 16 scales (or minimums) at p as float32.
+template <int KIND>
+inline __m512 scales16(const uint8_t* p) {
+    if (wide_scales(KIND)) return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // AVX-512 VNNI: a block of 16 rows is 8 vectors of 16 rows x 4 inputs; 8 dpbusd per activation row.
 template <int KIND, int NR>
@@ -259,14 +245,13 @@ void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + data_bytes(KIND))));
-        const __m512 m = KIND == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(blk + data_bytes(KIND) + 32))) : d;
+        const __m512 d = scales16<KIND>(blk + d_at(KIND));
+        const __m512 m = has_min(KIND) ? scales16<KIND>(blk + m_at(KIND)) : d;
         __m512 scale[2];                                // Q6_K: d * sc of each half block, exact
         if (KIND == Q6_K)
             for (int h = 0; h < 2; ++h)
                 scale[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 544 + 16 * h)))), d);
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + m_at(KIND) + 16 * h)))), d);
         for (int r = 0; r < NR; ++r) {
             const int8_t* xq = a.q + (r0 + r) * a.in + b * QK;
             __m512i half[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};   // inputs 0-15, 16-31
@@ -284,8 +269,15 @@ void tile_vnni(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
 #ifdef __AVX2__
 KVS_VECTOR(V256, 256)
 
-// AVX2: each half of a tile (8 rows) on its own; u8 x s8 pairs sum in int16 (maddubs), which Q4's and
-// Q6_K's quants (<= 63) never saturate; Q8_0 goes signed (|w| x sign(x, w)), so its pairs stay <= 2 x 128 x 127.
+// Half `half` (8 rows) of a block's 16 scales (or minimums) at p as float32.
+template <int KIND>
+inline __m256 scales8(const uint8_t* p, int half) {
+    if (wide_scales(KIND)) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * half);
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * half)));
+}
+
+// AVX2: each half of a tile (8 rows) on its own; u8 x s8 pairs sum in int16 (maddubs), which the 4-, 5- and
+// 6-bit quants (<= 63) never saturate; Q8_0 goes signed (|w| x sign(x, w)), so its pairs stay <= 2 x 128 x 127.
 template <int KIND, int NR>
 void tile_avx2(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE]) {
     const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -300,22 +292,20 @@ void tile_avx2(const uint8_t* tile, const Acts& a, int64_t r0, float (*out)[TILE
                 const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
                 if (KIND == Q8_0) {
                     w[j] = _mm256_xor_si256(v, flip);              // the signed quant
-                } else if (KIND == Q6_K) {
+                } else if (byte_quants(KIND)) {
                     w[j] = v;
                 } else {
                     w[j] = _mm256_and_si256(v, low);
                     w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }
             }
-            const __m256 d = _mm256_cvtph_ps(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + data_bytes(KIND) + 16 * half)));
-            const __m256 m = KIND == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
-                reinterpret_cast<const __m128i*>(blk + data_bytes(KIND) + 32 + 16 * half))) : d;
+            const __m256 d = scales8<KIND>(blk + d_at(KIND), half);
+            const __m256 m = has_min(KIND) ? scales8<KIND>(blk + m_at(KIND), half) : d;
             __m256 scale[2];
             if (KIND == Q6_K)
                 for (int h = 0; h < 2; ++h)
                     scale[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 544 + 16 * h + 8 * half)))), d);
+                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + m_at(KIND) + 16 * h + 8 * half)))), d);
             for (int r = 0; r < NR; ++r) {
                 const int8_t* xq = a.q + (r0 + r) * a.in + b * QK;
                 __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};   // inputs 0-15, 16-31
@@ -369,45 +359,24 @@ int64_t kvs_gguf_packed_bytes(int64_t kind, int64_t out, int64_t in) {
 }
 
 // The file's raw rows (out, in / source_weights blocks in ggml's layout of `kind`) -> the packed layout
-// (see the top). Rows past `out` in the last tile are zero (scale 0).
+// (gguf_blocks.h). Rows past `out` in the last tile are zero (scale 0).
 void kvs_gguf_pack(int64_t kind, const uint8_t* raw, int64_t out, int64_t in, uint8_t* packed) {
     if (kind == BF16)
         return bf16k::pack(reinterpret_cast<const uint16_t*>(raw), out, in, reinterpret_cast<uint16_t*>(packed));
     const int64_t nb = in / QK, stride = block_stride(kind), tiles = (out + TILE - 1) / TILE;
     const int64_t sources = in / source_weights(kind), blocks_per_source = source_weights(kind) / QK;
-    const int64_t first = kind == Q4_1 ? 4 : 2;                  // where a Q4 / Q8_0 block's quants start
     std::memset(packed, 0, static_cast<size_t>(tiles * nb * stride));
     for (int64_t o = 0; o < out; ++o) {
         const int64_t t = o / TILE, l = o % TILE;
         for (int64_t sb = 0; sb < sources; ++sb) {
             const uint8_t* src = raw + (o * sources + sb) * source_bytes(kind);
-            if (kind != Q6_K) {
-                uint8_t* blk = packed + (t * nb + sb) * stride;
-                for (int64_t i = 0; i < (kind == Q8_0 ? 32 : 16); ++i)
-                    blk[(i / 4) * 64 + l * 4 + i % 4] = kind == Q8_0 ? src[first + i] ^ 0x80 : src[first + i];
-                std::memcpy(blk + data_bytes(kind) + 2 * l, src, 2);                             // d
-                if (kind == Q4_1) std::memcpy(blk + data_bytes(kind) + 32 + 2 * l, src + 2, 2);    // m
-                continue;
-            }
-            // Q6_K {u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d}: each 128 weights' low nibbles in ql, high pairs in qh
-            uint8_t q[256];
-            for (int n = 0; n < 2; ++n) {
-                const uint8_t* ql = src + 64 * n;
-                const uint8_t* qh = src + 128 + 32 * n;
-                for (int i = 0; i < 32; ++i) {
-                    q[128 * n + i] = (ql[i] & 0x0F) | ((qh[i] & 3) << 4);
-                    q[128 * n + i + 32] = (ql[i + 32] & 0x0F) | (((qh[i] >> 2) & 3) << 4);
-                    q[128 * n + i + 64] = (ql[i] >> 4) | (((qh[i] >> 4) & 3) << 4);
-                    q[128 * n + i + 96] = (ql[i + 32] >> 4) | (((qh[i] >> 6) & 3) << 4);
-                }
-            }
-            for (int64_t bb = 0; bb < blocks_per_source; ++bb) {
-                uint8_t* blk = packed + (t * nb + sb * blocks_per_source + bb) * stride;
-                for (int64_t i = 0; i < QK; ++i) blk[(i / 4) * 64 + l * 4 + i % 4] = q[bb * QK + i];
-                std::memcpy(blk + 512 + 2 * l, src + 208, 2);                                  // d
-                blk[544 + l] = src[192 + 2 * bb];                                              // sc, inputs 0-15
-                blk[560 + l] = src[192 + 2 * bb + 1];                                          // sc, inputs 16-31
-            }
+            uint8_t* blks[8];
+            for (int64_t bb = 0; bb < blocks_per_source; ++bb)
+                blks[bb] = packed + (t * nb + sb * blocks_per_source + bb) * stride;
+            if (kind == Q6_K)
+                pack_q6_k(src, l, blks);
+            else
+                pack_source_block(static_cast<int>(kind), src, l, blks);
         }
     }
 }
@@ -453,6 +422,10 @@ void kvs_gguf_matmul(int64_t kind, const uint8_t* packed, int64_t out, int64_t i
             switch (kind) {
                 case Q4_0: tile_rows<Q4_0>(tile, acts, r0, nr, acc); break;
                 case Q4_1: tile_rows<Q4_1>(tile, acts, r0, nr, acc); break;
+                case Q5_0: tile_rows<Q5_0>(tile, acts, r0, nr, acc); break;
+                case Q5_1: tile_rows<Q5_1>(tile, acts, r0, nr, acc); break;
+                case Q4_K: tile_rows<Q4_K>(tile, acts, r0, nr, acc); break;
+                case Q5_K: tile_rows<Q5_K>(tile, acts, r0, nr, acc); break;
                 case Q6_K: tile_rows<Q6_K>(tile, acts, r0, nr, acc); break;
                 default: tile_rows<Q8_0>(tile, acts, r0, nr, acc); break;
             }
