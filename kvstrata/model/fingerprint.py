@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
-
 import torch
 
 from kvstrata.model import kernels as kernel_room
@@ -27,7 +25,7 @@ ANY_BLOCK_SIZE = 16
 def identity(weight_ids: list[tuple[str, str]], arch: ModelArch, fmt: WeightFormat, kernels: Kernels,
              exact_norms: bool, exact_attention: bool, dtype: torch.dtype, device: torch.device) -> dict:
     """What the fingerprint hashes, before the format adds what its `pack` chose (`WeightFormat.identity`)."""
-    found: dict = {"weights": weight_ids, "arch": asdict(arch), "quantization": fmt.name}
+    found: dict = {"weights": weight_ids, "arch": arch.identity(), "quantization": fmt.name}
     if exact_norms:
         found["exact_sums"] = True             # a batch-invariant engine must not take another's last bits
     if kernels.norm_act is not None:

@@ -131,24 +131,34 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path, hf_model, types: dict[str, str] | None = None) -> None:
-    """The tiny HF model as llama.cpp would write it: GGUF names, permuted q/k, F32 tensors unless `types`
-    names another GGUF type for a matrix (by its GGUF name without the layer, e.g. ffn_down, token_embd),
-    quantized by gguf-py."""
+    """The tiny HF model as llama.cpp would write it: GGUF names, permuted q/k (llama), Gemma's norms as 1 + w,
+    F32 tensors unless `types` names another GGUF type for a matrix (by its GGUF name without the layer, e.g.
+    ffn_down, token_embd), quantized by gguf-py. Llama and Gemma 3 configs."""
     c = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    gemma = c.model_type == "gemma3_text"
+    writer = gguf.GGUFWriter(str(path), "gemma3" if gemma else "llama")
+    if gemma:            # llama.cpp's writer: the window and head size; the pattern and local base are implied
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"] if gemma else 10000.0)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    if gemma:
+        names |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+                  "self_attn.k_norm": "attn_k_norm"}
+
     def add(kind: str, name: str, w: np.ndarray) -> None:
         qtype = gguf.GGMLQuantizationType[(types or {}).get(kind, "F32")]
         if qtype == gguf.GGMLQuantizationType.F32:
@@ -171,6 +181,8 @@ def write_tiny_gguf(path, hf_model, types: dict[str, str] | None = None) -> None
         writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     for name, t in hf_model.state_dict().items():
         w = t.numpy().copy()
+        if gemma and name.endswith("norm.weight"):
+            w = w + np.float32(1)                      # llama.cpp stores Gemma's norms with their 1 added
         if name == "lm_head.weight":
             continue                                   # tied: llama.cpp writes no output.weight
         if name == "model.embed_tokens.weight":
@@ -181,9 +193,9 @@ def write_tiny_gguf(path, hf_model, types: dict[str, str] | None = None) -> None
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         part = rest.removesuffix(".weight")
-        if part == "self_attn.q_proj":
+        if part == "self_attn.q_proj" and not gemma:
             w = llama_cpp_permute(w, c.num_attention_heads)
-        elif part == "self_attn.k_proj":
+        elif part == "self_attn.k_proj" and not gemma:
             w = llama_cpp_permute(w, c.num_key_value_heads)
         add(names[part], f"blk.{layer}.{names[part]}.weight", w)
     writer.write_header_to_file()

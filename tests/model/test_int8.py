@@ -173,8 +173,8 @@ def test_smoothing_leaves_the_float_model_unchanged(tmp_path, monkeypatch, name)
     a, cpu = loaded.arch, torch.device("cpu")
     checkpoint = Checkpoint(dict(load_file(tmp_path / "model.safetensors")), torch.float32, cpu)   # the float rows
     embeddings = checkpoint.take(names.EMBEDDINGS)
-    norms = Norms([checkpoint.take(names.norms(i)["input_norm"]) for i in range(a.num_layers)],
-                  [checkpoint.take(names.norms(i)["post_norm"]) for i in range(a.num_layers)],
+    norms = Norms([checkpoint.take(names.norms(i, a)["input_norm"]) for i in range(a.num_layers)],
+                  [checkpoint.take(names.norms(i, a)["post_norm"]) for i in range(a.num_layers)],
                   checkpoint.take(names.FINAL_NORM))
     biases = {"qkv": a.attention_bias, "o": a.attention_out_bias, "gate_up": False, "down": False}
     model = FloatModel([{p: DenseLinear(checkpoint.matrix(i, p), checkpoint.bias(i, p, biases[p]))

@@ -1,5 +1,7 @@
-"""The model path against transformers: tiny random Llama-family models, every batch shape the
-runner produces (full prefill, paged decode, chunked prefill, mixed), and SmolLM2 itself."""
+"""The model path against transformers: tiny random models of every family (Llama's, Qwen 3's, Gemma 3's
+sliding and global layers, Mistral's sliding window), every batch shape the runner produces (full prefill, paged
+decode, chunked prefill, mixed), and SmolLM2 itself. The hybrid models' window (8) is shorter than their prompts,
+so a sliding layer that read past it would not match."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
+from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
 from kvstrata.core.config import ModelConfig
 from kvstrata.model.formats.dense import DenseLinear, PackedLinear, can_pack
@@ -17,6 +19,7 @@ from tests.model.model_helpers import Seq, greedy_chat, new_cache, run_step, sav
 ATOL = 1e-4        # float32, logits of magnitude ~10
 VOCAB = 256
 BLOCK = 4          # small blocks: every sequence spans many, in shuffled order
+WINDOW = 8         # the hybrid models' sliding window: two blocks
 
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -32,7 +35,16 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
     "mha-head-dim": lambda: LlamaConfig(**{**TINY, "num_key_value_heads": 4}, head_dim=32),
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=True),
+    "mistral-sliding": lambda: MistralConfig(**TINY, sliding_window=WINDOW),
+    # a global layer between sliding ones, each kind with its RoPE; a query scale that is not head_dim's
+    "gemma3": lambda: Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=WINDOW,
+                                       layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                       query_pre_attn_scalar=24, rope_parameters={
+                                           "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
+HYBRID = ["gemma3", "mistral-sliding"]
 
 
 @pytest.fixture(scope="session")
@@ -83,8 +95,9 @@ def test_full_prefill_of_several_sequences_in_one_batch(tiny_models, name):
         assert_matches(seq, hf)
 
 
-def test_decode_step_by_step_through_shuffled_blocks(tiny_models):
-    ours, hf = tiny_models("llama")
+@pytest.mark.parametrize("name", ["llama", *HYBRID])
+def test_decode_step_by_step_through_shuffled_blocks(tiny_models, name):
+    ours, hf = tiny_models(name)
     seqs = random_seqs([30, 45, 38], num_blocks=64, seed=1)
     kv = new_cache(ours, 64, BLOCK)
     prompts = [3, 9, 1]
@@ -96,8 +109,9 @@ def test_decode_step_by_step_through_shuffled_blocks(tiny_models):
         assert_matches(seq, hf)
 
 
-def test_chunked_prefill_across_calls(tiny_models):
-    ours, hf = tiny_models("llama3-rope")
+@pytest.mark.parametrize("name", ["llama3-rope", *HYBRID])
+def test_chunked_prefill_across_calls(tiny_models, name):
+    ours, hf = tiny_models(name)
     (seq,) = random_seqs([61], num_blocks=20, seed=2)
     kv = new_cache(ours, 20, BLOCK)
     for chunk in (13, 16, 2, 30):                  # boundaries inside and on block edges
@@ -105,8 +119,9 @@ def test_chunked_prefill_across_calls(tiny_models):
     assert_matches(seq, hf)
 
 
-def test_mixed_batch_of_decodes_and_prefill_chunks(tiny_models):
-    ours, hf = tiny_models("qwen2")
+@pytest.mark.parametrize("name", ["qwen2", *HYBRID])
+def test_mixed_batch_of_decodes_and_prefill_chunks(tiny_models, name):
+    ours, hf = tiny_models(name)
     a, b, c, d = random_seqs([20, 26, 41, 11], num_blocks=40, seed=3)
     kv = new_cache(ours, 40, BLOCK)
     run_step(ours.model, kv, [(a, 17), (b, 24), (c, 9)])

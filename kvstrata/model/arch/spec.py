@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")   # freq_factors: a GGUF's rope_freqs
-ACTIVATIONS = ("silu",)                           # the gated MLP's activation: act(gate) * up
+ACTIVATIONS = ("silu", "gelu_tanh")               # the gated MLP's activation: act(gate) * up
+NORM_STYLES = ("llama", "gemma")                  # how an RMSNorm applies its weight (ModelArch.norm_style)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,17 @@ class ModelArch:
     attention_out_bias: bool = False   # o_proj carries a bias too (Llama attention_bias only)
     family: str = "llama"              # the description it came from (FAMILIES in kvstrata.model.arch)
     activation: str = "silu"
+    # Beyond Llama's layer (each at a default that is Llama's; `identity` leaves the defaults out):
+    windows: tuple[int | None, ...] = ()   # per layer: its sliding window W (a query sees its last W keys, itself
+                                           # included), None for a global layer; () every layer global
+    local_rope_theta: float | None = None  # the sliding layers' RoPE (Gemma 3: 10,000 beside the global 1e6);
+    local_rope_scaling: dict | None = None  # None: the same as the global layers'
+    qk_norm: bool = False              # an RMSNorm over each head of q and k before RoPE (Qwen 3, Gemma 3)
+    sandwich_norms: bool = False       # RMSNorms on attention's and the MLP's outputs too (Gemma 2/3)
+    norm_style: str = "llama"          # "llama": w * normed, in the model dtype; "gemma": (1 + w) * normed in
+                                       # float32, then rounded
+    embedding_scale: bool = False      # embeddings times sqrt(hidden_size), in the model dtype (Gemma)
+    query_scale: float | None = None   # attention's scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim's
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -47,7 +59,45 @@ class ModelArch:
             raise ValueError(f"head_dim must be even for RoPE, not {self.head_dim}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.activation!r} is not supported (kvstrata runs {', '.join(ACTIVATIONS)})")
+        if self.norm_style not in NORM_STYLES:
+            raise ValueError(f"norm style {self.norm_style!r}: one of {', '.join(NORM_STYLES)}")
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ValueError(f"{len(self.windows)} layer windows for {self.num_layers} layers")
+        if len({w for w in self.windows if w is not None}) > 1:
+            raise ValueError(f"one sliding window for every sliding layer, not {sorted(set(self.windows) - {None})}")
+        if any(w is not None and w < 1 for w in self.windows):
+            raise ValueError(f"a sliding window is at least one token, not {min(w for w in self.windows if w)}")
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding layers (one for all of them), None when every layer is global."""
+        return next((w for w in self.windows if w is not None), None)
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+    @property
+    def plain_layers(self) -> bool:
+        """Whether every layer is Llama's (what our fused kernels compute): no window, no extra norms, SiLU,
+        norms scaled in the model dtype, attention scaled by head_dim."""
+        return (self.sliding_window is None and not (self.qk_norm or self.sandwich_norms or self.embedding_scale)
+                and self.norm_style == "llama" and self.activation == "silu" and self.query_scale is None)
+
+    def local(self) -> ModelArch:
+        """The description as the sliding layers see it: their own RoPE."""
+        if self.local_rope_theta is None:
+            return self
+        return replace(self, rope_theta=self.local_rope_theta, rope_scaling=self.local_rope_scaling,
+                       local_rope_theta=None, local_rope_scaling=None)
+
+    def identity(self) -> dict[str, Any]:
+        """What the model fingerprint hashes: every field, less those at their defaults past Llama's own (so a
+        Llama model's fingerprint is what it was before the fields existed)."""
+        found = asdict(self)
+        for f in fields(self)[fields(self).index(_FIRST_EXTRA):]:
+            if found[f.name] == f.default:
+                del found[f.name]
+        return found
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -63,6 +113,9 @@ class ModelArch:
                 "down": (e, i)}
 
 
+_FIRST_EXTRA = next(f for f in fields(ModelArch) if f.name == "windows")
+
+
 @dataclass(frozen=True)
 class GGUFLayout:
     """How a family's GGUF files name their tensors and metadata (kvstrata.model.sources.gguf_convert reads them).
@@ -75,6 +128,7 @@ class GGUFLayout:
     global_names: dict[str, str]               # token_embd -> model.embed_tokens, ...
     permuted_rope: bool                        # llama.cpp interleaved the RoPE halves of q/k rows
     config: Callable[[Callable[..., Any], dict[str, tuple[int, ...]]], dict[str, Any]]
+    norm_shift: float = 0.0                    # stored norm weights are HF's + this (Gemma's 1 + w): taken off
 
     def hf_name(self, gguf_name: str) -> str:
         base, _, suffix = gguf_name.rpartition(".")

@@ -9,6 +9,8 @@ handful of rows), so a projection is named by its fused name and made of its HF 
 
 from __future__ import annotations
 
+from kvstrata.model.arch.spec import ModelArch
+
 PROJECTIONS = ("qkv", "o", "gate_up", "down")          # the decoder's projections, in call order
 EMBEDDINGS = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -30,10 +32,20 @@ def parts(layer: int, projection: str, suffix: str = "weight") -> list[str]:
     return [f"{module(layer, name)}.{suffix}" for name, (fused, _) in MODULES.items() if fused == projection]
 
 
-def norms(layer: int) -> dict[str, str]:
-    """A layer's norm weights by the decoder's names."""
-    return {"input_norm": f"model.layers.{layer}.input_layernorm.weight",
-            "post_norm": f"model.layers.{layer}.post_attention_layernorm.weight"}
+def norms(layer: int, arch: ModelArch) -> dict[str, str]:
+    """A layer's norm weights by the decoder's names, in checkpoint order: `input_norm` before q|k|v, `post_norm`
+    before gate|up, and as the description has them `q_norm` / `k_norm` (over each head) and `attn_out_norm` /
+    `mlp_out_norm` (on attention's and the MLP's outputs). Gemma's post_attention_layernorm is on attention's
+    output, Llama's before the MLP."""
+    base = f"model.layers.{layer}"
+    found = {"input_norm": f"{base}.input_layernorm.weight"}
+    if arch.qk_norm:
+        found |= {"q_norm": f"{base}.self_attn.q_norm.weight", "k_norm": f"{base}.self_attn.k_norm.weight"}
+    if arch.sandwich_norms:
+        return found | {"attn_out_norm": f"{base}.post_attention_layernorm.weight",
+                        "post_norm": f"{base}.pre_feedforward_layernorm.weight",
+                        "mlp_out_norm": f"{base}.post_feedforward_layernorm.weight"}
+    return found | {"post_norm": f"{base}.post_attention_layernorm.weight"}
 
 
 def head(tied: bool) -> str:

@@ -53,11 +53,13 @@ class Packed(Generic[T]):
 
 @dataclass
 class Norms:
-    """The norm weights a format may rescale in place (int8's smoothing folds into them)."""
+    """The norm weights a format may rescale in place (int8's smoothing folds into them), and the others a
+    description may have (`ModelArch.qk_norm`, `sandwich_norms`), which no format touches."""
 
     input: list[torch.Tensor]           # per layer, before q|k|v
     post: list[torch.Tensor]            # per layer, before gate|up
     final: torch.Tensor                 # before the head
+    others: list[dict[str, torch.Tensor]] = field(default_factory=list)   # per layer: q_norm, attn_out_norm, ...
 
 
 @dataclass

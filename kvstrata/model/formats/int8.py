@@ -44,6 +44,9 @@ class Int8Format(WeightFormat):
         self.choice: Int8Choice | None = None       # the kernel `pack` chose, with the figures it chose by
 
     def unavailable(self, target: Target) -> str | None:
+        if not target.arch.plain_layers:
+            return (f"--quantization int8 smooths Llama's layers into their norms; a {target.arch.family} model's "
+                    "layers are not those: use --quantization none (or its GGUF at its bits)")
         if target.dtype == "bfloat16":
             return "--quantization int8 runs with float32 activations; drop --dtype bfloat16"
         return None

@@ -136,6 +136,13 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
+def _visible(keys: torch.Tensor, query: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys a query at position `query` sees (broadcast): every key up to its own, or with a sliding
+    window the last `window` of them (transformers' `kv_idx > q_idx - window`)."""
+    seen = keys <= query
+    return seen if window is None else seen & (keys > query - window)
+
+
 def _gather_rows(block_ids: torch.Tensor, planes: int, num_blocks: int) -> torch.Tensor:
     """Rows of a layer viewed as (planes * num_blocks, bs * D), planes = 2 * KVH, for `block_ids`:
     plane-major, then the blocks in order. Selecting whole rows of that 2-D view runs about twice
@@ -168,7 +175,9 @@ class PagedAttention:
     and every step, so reading the cache allocates nothing after warm-up."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel: PagedDecode | None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, scale: float | None = None) -> None:
+        self.scale = head_dim ** -0.5 if scale is None else scale     # of q k^T (Gemma: query_pre_attn_scalar's)
+        self.sdpa_scale = scale                   # None: SDPA's own 1 / sqrt(D), the same value, its bits as ever
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -181,9 +190,12 @@ class PagedAttention:
         """Whether decodes go through the paged kernel (a cache of `dtype` on `device`)."""
         return self.kernel is not None and self.kernel.supports(dtype, self.group, self.head_dim, block_size, device)
 
-    def plan(self, batch: ForwardBatch, block_size: int, num_blocks: int, dtype: torch.dtype) -> AttentionPlan:
+    def plan(self, batch: ForwardBatch, block_size: int, num_blocks: int, dtype: torch.dtype,
+             window: int | None = None) -> AttentionPlan:
         """Masks are additive in `dtype` (SDPA would convert a boolean mask in every layer);
-        `num_blocks` is the size of the cache the blocks are gathered from."""
+        `num_blocks` is the size of the cache the blocks are gathered from. `window`: the plan of a sliding layer,
+        whose query at position p sees keys (p - window, p] only: decodes read from their window's start, no
+        group shares a prefix (it may lie outside a window), prefill chunks are masked in torch."""
         planes = 2 * self.num_kv_heads
         device = batch.input_ids.device
         qsl = batch.query_start_loc
@@ -197,17 +209,19 @@ class PagedAttention:
         # kernel, whose order of sums is the row's own: its bits depend on no path, batch or group.
         every_row = kernel and self.compute_dtype is not None
         dtype = self.compute_dtype or dtype
-        groups = [] if every_row else batch.decode_groups
+        groups = [] if every_row or window is not None else batch.decode_groups
         decode_rows, grouped, own, prefixes = self._plan_decodes(batch, groups, seq_lens, block_size, num_blocks,
-                                                                 dtype, kernel) if nd else (None, 0, [], [])
+                                                                 dtype, kernel, window) if nd else (None, 0, [], [])
         in_place = None
         if nd and kernel:
             first = torch.zeros(nd, dtype=torch.int64, device=device)
             for group in groups:
                 first[group.start:group.end] = group.prefix_blocks * block_size
+            if window is not None:
+                first = (batch.seq_lens[:nd] - window).clamp_(min=0)
             in_place = KernelCall(0, nd, batch.block_tables[:nd], first, batch.seq_lens[:nd])
         prefills, rows = [], None
-        if kernel and batch.num_seqs > nd:
+        if kernel and batch.num_seqs > nd and window is None:
             starts = torch.tensor(qsl[nd:], dtype=torch.int64, device=device) - qsl[nd]
             rows = KernelRows(qsl[nd], qsl[-1], batch.block_tables[nd:], starts, batch.seq_lens[nd:])
         for b in range(nd, batch.num_seqs):
@@ -217,18 +231,22 @@ class PagedAttention:
             if rows is not None:                  # the kernel attends every chunk
                 continue
             if n == seq_len:
-                prefills.append(PrefillChunk(start, end, None, None))
+                own_mask = None
+                if window is not None and n > window:
+                    pos = torch.arange(n, device=device)
+                    own_mask = _additive(_visible(pos[None, :], pos[:, None], window), dtype)      # (n, n)
+                prefills.append(PrefillChunk(start, end, None, own_mask))
                 continue
             nblk = -(-seq_len // block_size)
             keys = torch.arange(nblk * block_size, device=device)
             last_visible = torch.arange(seq_len - n, seq_len, device=device)
-            mask = _additive(keys[None, :] <= last_visible[:, None], dtype)   # (n, nblk * bs)
+            mask = _additive(_visible(keys[None, :], last_visible[:, None], window), dtype)   # (n, nblk * bs)
             prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, :nblk], planes, num_blocks),
                                          mask))
         return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills, in_place, rows)
 
     def _plan_decodes(self, batch: ForwardBatch, groups: list[DecodeGroup], seq_lens: list[int], block_size: int,
-                      num_blocks: int, dtype: torch.dtype, in_place: bool
+                      num_blocks: int, dtype: torch.dtype, in_place: bool, window: int | None
                       ) -> tuple[torch.Tensor | None, int, list[DecodeSegment], list[DecodeSegment]]:
         """The gather rows of every decode segment (one tensor; None if there are none), the number of
         grouped decodes, the own segments and the prefix segments. `in_place`: the kernel reads the
@@ -256,7 +274,7 @@ class PagedAttention:
             cols = first + torch.arange(blocks, device=device)                      # (n, blocks)
             ids = tables[start:end].gather(1, cols.clamp(max=tables.shape[1] - 1))  # past the table: masked
             keys = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).view(end - start, -1)
-            mask = _additive(keys < batch.seq_lens[start:end, None], dtype)          # (n, blocks * bs)
+            mask = _additive(_visible(keys, batch.seq_lens[start:end, None] - 1, window), dtype)   # (n, blocks * bs)
             shape = (1, end - start, 1, -1) if start < grouped else (end - start, 1, 1, -1)   # see _decodes
             own.append(DecodeSegment(start, end, offset, blocks, mask.view(shape)))
             rows.append(_gather_rows(ids.reshape(-1), planes, num_blocks))
@@ -294,11 +312,12 @@ class PagedAttention:
             if chunk.rows is None:
                 kc = k[chunk.start:chunk.end].transpose(0, 1)[None]      # (1, KVH, n, D)
                 vc = v[chunk.start:chunk.end].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=g > 1)
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                                   enable_gqa=g > 1, scale=self.sdpa_scale)
             else:
                 kv = self._blocks(self._gather(kv_layer, chunk.rows), 0, chunk.rows.shape[0] // (2 * kvh))
                 o = F.scaled_dot_product_attention(qc, kv[0][None], kv[1][None], attn_mask=chunk.mask,
-                                                   enable_gqa=g > 1)
+                                                   enable_gqa=g > 1, scale=self.sdpa_scale)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1).reshape(n, h * d)   # (n, H * D)
         return out
 
@@ -308,7 +327,7 @@ class PagedAttention:
         their K/V already in the cache (`NormAct.rope_store`): (T, H * D) in `dtype`, the same bits. o like
         qf and lse (T, KVH, G) are the kernels' outputs, reused by every layer of a step."""
         assert plan.kernel_only and qf.shape == o.shape and qf.shape[:3] == lse.shape
-        t, scale = qf.shape[0], self.head_dim ** -0.5
+        t, scale = qf.shape[0], self.scale
         rows = lambda x, start, end: x if (start, end) == (0, t) else x[start:end]   # noqa: E731 (no op for a whole step)
         if plan.in_place is not None:
             c = plan.in_place
@@ -333,7 +352,7 @@ class PagedAttention:
             else:
                 qs = q[seg.start:seg.end].view(n, kvh, g, d)                          # (n, KVH, G, D)
                 o = F.scaled_dot_product_attention(qs, keys[0].transpose(0, 1), keys[1].transpose(0, 1),
-                                                   attn_mask=seg.mask)                   # (n, KVH, G, D)
+                                                   attn_mask=seg.mask, scale=self.sdpa_scale)   # (n, KVH, G, D)
                 out[seg.start:seg.end] = o.reshape(n, h * d)
 
     def _grouped(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, buf: torch.Tensor,
@@ -341,7 +360,7 @@ class PagedAttention:
         """Grouped decodes, q (n, H, D) and their own keys (2, KVH, n, L, D) -> (n, H * D)."""
         n = q.shape[0]
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        qd = q.view(n, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)    # (KVH, n, G, D)
+        qd = q.view(n, kvh, g, d).transpose(0, 1).contiguous().mul_(self.scale)   # (KVH, n, G, D)
         o, lse = attend(qd, keys[0], keys[1], mask)                                  # (KVH, n, G, D)
         self._merge_prefixes(qd, o, lse, buf, prefixes)
         return o.transpose(0, 1).reshape(n, kvh * g * d)
@@ -366,9 +385,9 @@ class PagedAttention:
         n, grouped = call.end - call.start, plan.grouped
         qf, o, lse = self._kernel_buffers(q, call.start, call.end)
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        self.kernel(qf, kv_layer, call.tables, call.first, call.lens, d ** -0.5, o, lse)
+        self.kernel(qf, kv_layer, call.tables, call.first, call.lens, self.scale, o, lse)
         if grouped:
-            qd = q[:grouped].view(grouped, kvh, g, d).transpose(0, 1).contiguous().mul_(d ** -0.5)
+            qd = q[:grouped].view(grouped, kvh, g, d).transpose(0, 1).contiguous().mul_(self.scale)
             self._merge_prefixes(qd, o[:grouped].transpose(0, 1), lse[:grouped].transpose(0, 1).unsqueeze(-1),
                                  self._gather(kv_layer, plan.decode_rows), plan.prefixes)
         out[call.start:call.end] = o.view(n, kvh * g * d)
@@ -376,7 +395,7 @@ class PagedAttention:
     def _rows(self, q: torch.Tensor, kv_layer: torch.Tensor, rows: KernelRows, out: torch.Tensor) -> None:
         """Prefill rows [rows.start, rows.end) of q (T, H, D) through the kernel into out (T, H * D)."""
         qf, o, lse = self._kernel_buffers(q, rows.start, rows.end)
-        self.kernel.rows(qf, kv_layer, rows.tables, rows.starts, rows.lens, self.head_dim ** -0.5, o, lse)
+        self.kernel.rows(qf, kv_layer, rows.tables, rows.starts, rows.lens, self.scale, o, lse)
         out[rows.start:rows.end] = o.view(rows.end - rows.start, -1)
 
     def _kernel_buffers(self, q: torch.Tensor, start: int, end: int

@@ -2,7 +2,9 @@
 
 Pre-norm decoder: x -> RMSNorm -> fused QKV -> RoPE -> paged attention -> O -> residual,
 then RMSNorm -> fused gate|up -> SiLU(gate) * up -> down -> residual; final RMSNorm and the
-LM head. The math follows transformers' `LlamaForCausalLM` so logits match it in float32.
+LM head. The math follows transformers' `LlamaForCausalLM` so logits match it in float32, and its family's model
+for what a description adds (kvstrata.model.network.layer): a sliding layer attends its window only, with its
+own RoPE where the family has one, through an attention plan of its own.
 
 `ModelParts` is what the builder (kvstrata.model.builder) hands over: the description, the embeddings and
 norms, and the projections a weight format packed (`proj(x)`: the decoder never asks which format). `Kernels`
@@ -24,7 +26,7 @@ from kvstrata.model.network.attention import PagedAttention
 from kvstrata.model.network.forward_batch import ForwardBatch
 from kvstrata.model.network.layer import DecoderLayer, rms_norm
 from kvstrata.model.network.rope import RotaryTables
-from kvstrata.model.network.steps import Kernels, Step, step_loop
+from kvstrata.model.network.steps import Kernels, Sliding, Step, step_loop
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,16 @@ class DecoderModel:
         stat = torch.float64 if parts.exact_norms else torch.float32
         self.norm_stat_dtype = stat
         self.norm_act = kernels.norm_act
+        others = parts.norms.others or [{} for _ in range(a.num_layers)]
         self.layers = [DecoderLayer(a, i, parts.norms.input[i], parts.norms.post[i], parts.packed.layers[i],
-                                    kernels.norm_act, stat) for i in range(a.num_layers)]
+                                    kernels.norm_act, stat, others[i]) for i in range(a.num_layers)]
         self.rope = RotaryTables(a, parts.dtype, parts.device)
+        # the sliding layers' RoPE when it is their own (Gemma 3's local base)
+        self.local_rope = RotaryTables(a.local(), parts.dtype, parts.device) if a.local() is not a else self.rope
+        # Gemma scales the embeddings by sqrt(hidden) rounded to the model dtype, as transformers does
+        self.embed_scale = torch.tensor(a.hidden_size ** 0.5).to(parts.dtype) if a.embedding_scale else None
         self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, kernels.paged,
-                                   torch.float64 if parts.exact_attention else None)
+                                   torch.float64 if parts.exact_attention else None, a.query_scale)
         self.loop = step_loop(self)
 
     def step_weight_bytes(self) -> int:
@@ -90,8 +97,15 @@ class DecoderModel:
         assert kv.spec.dtype == self.dtype, f"KV cache is {kv.spec.dtype}, model is {self.dtype}"
         plan = self.attn.plan(batch, kv.block_size, kv.num_blocks, self.dtype)
         cos, sin = self.rope.lookup(batch.positions)                 # (T, 1, D) each
+        sliding = None
+        if self.arch.sliding_window is not None:
+            local = self.local_rope.lookup(batch.positions) if self.local_rope is not self.rope else (cos, sin)
+            sliding = Sliding(*local, self.attn.plan(batch, kv.block_size, kv.num_blocks, self.dtype,
+                                                     self.arch.sliding_window))
         h = F.embedding(batch.input_ids, self.embed_tokens)         # (T, E)
-        h = self.loop(h, Step(cos, sin, plan, kv, batch.lora))
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        h = self.loop(h, Step(cos, sin, plan, kv, batch.lora, sliding))
         h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps, self.norm_stat_dtype,
                      self.norm_act)                                 # (S, E)
         return self.head(h).float()                                 # (S, vocab)

@@ -4,7 +4,9 @@
                  is at a GGUF's bits, with our norm and paged kernels
     KernelLoop   per layer: RoPE with the K/V write and the paged kernel's queries in one call
                  (`NormAct.rope_store`), the paged kernel for every row: a bf16 model on the CPU with our kernels
-    TorchLoop    per layer: torch's ops around attention (or their torch.compile'd versions, `--compile`)
+    TorchLoop    per layer: torch's ops around attention (or their torch.compile'd versions, `--compile`); the
+                 one loop for layers other than Llama's (`ModelArch.plain_layers`: Qwen 3, Gemma 3), whose
+                 attention still reads the cache through the paged kernel, a sliding layer from its window's start
 
 A loop that cannot take a step hands it to the next one down, whole: the fused and kernel loops need the paged
 kernel to attend every row with nothing to merge (`AttentionPlan.kernel_only`), and the fused loop no adapter in
@@ -52,15 +54,31 @@ class Walked(Protocol):
 
 
 @dataclass(frozen=True)
+class Sliding:
+    """What the sliding layers read instead of the global ones' rows and plan: their RoPE and their window."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    plan: AttentionPlan
+
+
+@dataclass(frozen=True)
 class Step:
     """What every layer of one forward reads besides the residual stream: the RoPE rows, the attention plan, the
-    cache it writes K/V into and reads from, the step's adapters."""
+    cache it writes K/V into and reads from, the step's adapters; the sliding layers' own (`sliding`)."""
 
     cos: torch.Tensor                   # (T, 1, D)
     sin: torch.Tensor
     plan: AttentionPlan
     kv: PagedKVCache
     lora: LoRABatch | None
+    sliding: Sliding | None = None
+
+    def of(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
+        """The RoPE rows and plan `layer` reads."""
+        if layer.window is None:
+            return self.cos, self.sin, self.plan
+        return self.sliding.cos, self.sliding.sin, self.sliding.plan
 
 
 class StepLoop:
@@ -99,9 +117,10 @@ class TorchLoop(StepLoop):
     def run(self, h: torch.Tensor, step: Step) -> torch.Tensor:
         model, kv = self.model, step.kv
         for index, layer in enumerate(model.layers):
-            q, k, v = self.before(layer, h, step.cos, step.sin, step.lora)
-            kv.write(index, step.plan.slot_mapping, k, v)
-            h = self.after(layer, h, model.attn(q, k, v, kv.layer(index), step.plan), step.lora)
+            cos, sin, plan = step.of(layer)
+            q, k, v = self.before(layer, h, cos, sin, step.lora)
+            kv.write(index, plan.slot_mapping, k, v)
+            h = self.after(layer, h, model.attn(q, k, v, kv.layer(index), plan), step.lora)
         return h
 
 
@@ -145,7 +164,8 @@ def step_loop(model: Walked) -> StepLoop:
     """The fastest loop `model`'s kernels allow (module docstring)."""
     k = model.kernels
     loop: StepLoop = TorchLoop(model, k.compiled)
-    if k.norm_act is None or k.paged is None or model.arch.head_dim > k.norm_act.rope_max_head_dim:
+    if (k.norm_act is None or k.paged is None or model.arch.head_dim > k.norm_act.rope_max_head_dim
+            or not model.arch.plain_layers):
         return loop
     loop = KernelLoop(model, loop)
     fused = fused_layers(model, k.layers, k.norm_act, k.paged)

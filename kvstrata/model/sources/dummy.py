@@ -89,11 +89,9 @@ def tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
               "o_proj": arch.attention_out_bias}
     shapes: dict[str, tuple[int, ...]] = {names.EMBEDDINGS: (arch.vocab_size, e)}
     for n in range(arch.num_layers):
-        norms = names.norms(n)
-        shapes[norms["input_norm"]] = (e,)
+        shapes |= {name: (arch.head_dim if role in ("q_norm", "k_norm") else e,)
+                   for role, name in names.norms(n, arch).items()}
         for module, (fused, _) in names.MODULES.items():
-            if module == "gate_proj":
-                shapes[norms["post_norm"]] = (e,)
             shapes[f"{names.module(n, module)}.weight"] = (rows[module], arch.projection_shapes()[fused][1])
             if biases.get(module):
                 shapes[f"{names.module(n, module)}.bias"] = (rows[module],)
@@ -103,10 +101,11 @@ def tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def dummy_tensor(name: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """One float32 tensor, from a generator seeded by `seed` and the name alone."""
+def dummy_tensor(name: str, shape: tuple[int, ...], seed: int = 0, norm_style: str = "llama") -> torch.Tensor:
+    """One float32 tensor, from a generator seeded by `seed` and the name alone; norms scale by one (a Gemma
+    norm's weight w scales by 1 + w)."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(shape) if norm_style == "llama" else torch.zeros(shape)
     if name.endswith(".bias"):
         std = BIAS_STD
     elif name == names.EMBEDDINGS:
@@ -125,6 +124,7 @@ class DummyTensors:
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, seed: int = 0) -> None:
         self.shapes = tensor_shapes(arch)
+        self.norm_style = arch.norm_style
         self.dtype = dtype
         self.seed = seed
 
@@ -142,4 +142,4 @@ class DummyTensors:
             if default is _MISSING:
                 raise KeyError(name)
             return default
-        return dummy_tensor(name, self.shapes.pop(name), self.seed).to(self.dtype)
+        return dummy_tensor(name, self.shapes.pop(name), self.seed, self.norm_style).to(self.dtype)

