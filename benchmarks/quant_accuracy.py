@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/quant_accuracy.py                      # float32 bfloat16 int8
     .venv/bin/python benchmarks/quant_accuracy.py --weights float32 int8 --prompts 8
     .venv/bin/python benchmarks/quant_accuracy.py --weights bfloat16 gguf --llamacpp   # beside llama.cpp
+    .venv/bin/python benchmarks/quant_accuracy.py --model gemma-3-270m --weights float32 gguf --llamacpp
 
 `--llamacpp`: llama.cpp's library also scores the same token ids of the same file (the default model's GGUF)
 with the same windows (peers/perplexity_llamacpp.py), and each configuration's perplexity is printed over
@@ -66,23 +67,33 @@ def perplexity(model, kv: PagedKVCache, tokens: list[int], window: int) -> tuple
     return math.exp(nll / count), count
 
 
-def llamacpp_perplexity(tokens: list[int], window: int, threads: int) -> float:
-    """llama.cpp's perplexity of the default model's GGUF on `tokens` (peers/perplexity_llamacpp.py)."""
-    import servers
+def gguf_file(model: str | None) -> Path:
+    """The GGUF file of `--model`: the default model's, a packaged model's, or the path given."""
     from kvstrata.model.loader import default_model_path
+    from kvstrata.model.sources.packaged import PACKAGED, packaged_path
+
+    if model is None:
+        return default_model_path()
+    return packaged_path(model) if model in PACKAGED else Path(model)
+
+
+def llamacpp_perplexity(model: str | None, tokens: list[int], window: int, threads: int) -> float:
+    """llama.cpp's perplexity of the model's GGUF on `tokens` (peers/perplexity_llamacpp.py)."""
+    import servers
 
     servers.install_peers(Path(tempfile.mkdtemp()), ("llamacpp",))
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp) / "tokens.json", Path(tmp) / "result.json"
         job.write_text(json.dumps({"tokens": tokens, "window": window}))
         subprocess.run([str(servers.PEERS / "venvs" / "llamacpp" / "bin" / "python"),
-                        str(servers.PEERS / "perplexity_llamacpp.py"), "--model", str(default_model_path()),
+                        str(servers.PEERS / "perplexity_llamacpp.py"), "--model", str(gguf_file(model)),
                         "--tokens", str(job), "--threads", str(threads), "--json", str(out)], check=True)
         return json.loads(out.read_text())["perplexity"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a GGUF file or a packaged model's name (default: the default model)")
     parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--prompts", type=int, default=32)
@@ -95,7 +106,7 @@ def main() -> None:
     results = {}
     for name in args.weights:
         dtype, quantization = WEIGHTS[name]
-        llm = LLM(dtype=dtype, device="cpu", quantization=quantization, enable_prefix_caching=False,
+        llm = LLM(model=args.model, dtype=dtype, device="cpu", quantization=quantization, enable_prefix_caching=False,
                   max_model_len=max(args.window, args.prompt_len + args.max_tokens) + 1)
         loaded = llm.engine.loaded
         tokens = loaded.tokenizer(TEXT.read_text())["input_ids"]
@@ -111,7 +122,7 @@ def main() -> None:
         print(f"{name:>9}: perplexity {ppl:.4f} over {count} predicted tokens "
               f"({time.perf_counter() - start:.0f} s with the generation)", flush=True)
     if args.llamacpp:
-        peer = llamacpp_perplexity(tokens, args.window, args.threads)
+        peer = llamacpp_perplexity(args.model, tokens, args.window, args.threads)
         for name, (ppl, *_) in results.items():
             print(f"{name} vs llama.cpp on the same file: perplexity {ppl:.4f} / {peer:.4f} = {ppl / peer - 1:+.2%}")
     ref_name, (ref_ppl, ref_out, _, _, prompts) = next(iter(results.items()))
