@@ -1,7 +1,9 @@
 """The store protocol every store keeps, and what the stores share: errors, counters, a circuit breaker.
 
-A record is opaque here (its format and checks are `kvstrata.kvcache.stores.records`); a store only keeps
-bytes under keys, in batches, and manages its own capacity. Two implementations of one protocol:
+A record is opaque here (its format and checks are `kvstrata.kvcache.stores.records`) but for its
+length, which its header declares: a store keeps bytes under keys, in batches, manages its own capacity,
+and reads a value whole only once it is a record of its declared length (`refusal`), so a foreign value
+(a link to a file outside the folder, a sparse giant) is a miss, never read. Two implementations of one protocol:
 
 * `DiskStore`  the embedded default: one file per block under a folder, a byte budget with LRU deletion.
 * `RedisStore` for engines sharing a cache: pipelined batches, a circuit breaker, Redis's own eviction.
@@ -25,6 +27,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+from kvstrata.kvcache.stores.records import RecordError, declared_size
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class StoreStats:
     bytes_written: int = 0
     deletions: int = 0          # records removed by delete()
     evictions: int = 0          # records removed to keep within the byte budget (disk only)
+    refused: int = 0            # values get() did not read: not a record of its length (misses; removed)
     errors: dict[str, int] = field(default_factory=dict)   # failed operations by StoreError.kind
 
 
@@ -116,6 +121,16 @@ def store_error(exc: Exception) -> StoreError:
         return StoreError("io", str(exc))
     logger.exception("unexpected error in a store operation")
     return StoreError("internal", f"{type(exc).__name__}: {exc}")
+
+
+def refusal(head: bytes, size: int) -> str | None:
+    """Why a value of `size` bytes that begins with `head` (its first HEADER.size bytes) must not be read
+    whole, as a RecordError reason ("length", "magic", "version"); None for a record of its declared
+    length. A reason and never the value's bytes goes into a log line: the value may be anyone's file."""
+    try:
+        return None if declared_size(head) == size else "length"
+    except RecordError as exc:
+        return exc.reason
 
 
 @contextlib.contextmanager

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from kvstrata.core.hashing import encode_tokens
-from kvstrata.kvcache.buffers import KVCacheSpec
+
+if TYPE_CHECKING:                 # a type only: the stores import this module, and must not import torch
+    from kvstrata.kvcache.buffers import KVCacheSpec
 
 MAGIC = b"KVSTRATA"
 RECORD_VERSION = 1
@@ -63,6 +66,24 @@ def _dtype_name(spec: KVCacheSpec) -> bytes:
 
 def _fingerprint_digest(model_fingerprint: str) -> bytes:
     return xxhash.xxh3_128_digest(model_fingerprint.encode())
+
+
+def declared_size(head: bytes | bytearray | memoryview) -> int:
+    """The length in bytes of the record that begins with `head` (its first HEADER.size bytes or more),
+    as its header declares it. A store reads this much of a value, and checks that the value is this
+    long, before it reads the rest: so a foreign or torn value is never read whole.
+
+    Raises RecordError ("length", "magic", "version") if `head` is no header of this format.
+    """
+    view = memoryview(head).cast("B")
+    if view.nbytes < HEADER.size:
+        raise RecordError("length", f"{view.nbytes} bytes is shorter than a header")
+    magic, version, *_, block_size, payload_len = HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise RecordError("magic", "not a kvstrata record")
+    if version != RECORD_VERSION:
+        raise RecordError("version", f"record format {version}, this build reads {RECORD_VERSION}")
+    return _payload_offset(block_size) + payload_len + CHECKSUM.size
 
 
 def record_size(spec: KVCacheSpec) -> int:
@@ -100,15 +121,12 @@ def decode_record(data: bytes | bytearray | memoryview, spec: KVCacheSpec, model
     view = memoryview(data).cast("B")
     if view.nbytes < HEADER.size + CHECKSUM.size:
         raise RecordError("length", f"{view.nbytes} bytes is shorter than a header")
-    (magic, version, fingerprint, stored_hash, dtype, num_layers, num_kv_heads, head_dim, block_size,
+    size = declared_size(view)
+    if view.nbytes != size:
+        raise RecordError("length", f"{view.nbytes} bytes, the header says {size}")
+    (_, _, fingerprint, stored_hash, dtype, num_layers, num_kv_heads, head_dim, block_size,
      payload_len) = HEADER.unpack_from(view)
-    if magic != MAGIC:
-        raise RecordError("magic", f"not a kvstrata record (magic {magic!r})")
-    if version != RECORD_VERSION:
-        raise RecordError("version", f"record format {version}, this build reads {RECORD_VERSION}")
     offset = _payload_offset(block_size)
-    if view.nbytes != offset + payload_len + CHECKSUM.size:
-        raise RecordError("length", f"{view.nbytes} bytes, the header says {offset + payload_len + CHECKSUM.size}")
     body = view[:-CHECKSUM.size]
     (checksum,) = CHECKSUM.unpack_from(view, body.nbytes)
     if xxhash.xxh3_64_intdigest(body) != checksum:
