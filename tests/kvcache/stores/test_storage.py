@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,8 @@ from kvstrata.kvcache.buffers import KVCacheSpec
 from kvstrata.kvcache.stores import DiskStore, RedisStore, open_store
 from kvstrata.kvcache.stores.base import StoreError
 from kvstrata.kvcache.stores.records import HEADER, RecordError, decode_record, encode_record, record_size
-from tests.kvcache.stores.store_helpers import RedisServer, free_port, hammer_disk_store, redis_server  # noqa: F401
+from tests.kvcache.stores.store_helpers import (RedisServer, free_port, hammer_disk_store, record_of,  # noqa: F401
+                                               redis_server)
 
 SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
 FINGERPRINT = "f" * 64
@@ -29,6 +31,7 @@ PAYLOAD = torch.arange(SPEC.bytes_per_block // 4, dtype=torch.float32).numpy().t
 RECORD = encode_record(SPEC, FINGERPRINT, HASH, TOKENS, PAYLOAD)
 PAYLOAD_OFFSET = len(RECORD) - len(PAYLOAD) - 8
 SIZE_FIELDS = range(72, HEADER.size)          # block_size, payload length: they move the end of the record
+TWO = record_of(106, fill=2)                  # the shortest record
 
 
 def decode(data: bytes, spec: KVCacheSpec = SPEC, fingerprint: str = FINGERPRINT, block_hash: bytes = HASH):
@@ -117,14 +120,14 @@ def folder_bytes(store: DiskStore) -> int:
 
 def test_disk_put_get_exists_delete(tmp_path):
     store = DiskStore(str(tmp_path / "store"), capacity_bytes=10 * len(RECORD))
-    store.put([(key(1), RECORD), (key(2), b"two")])
+    store.put([(key(1), RECORD), (key(2), TWO)])
     assert store.exists([key(1), key(2), key(3)]) == [True, True, False]
-    assert store.get([key(1), key(3), key(2)]) == [RECORD, None, b"two"]
+    assert store.get([key(1), key(3), key(2)]) == [RECORD, None, TWO]
     store.delete([key(2), key(3)])
     assert store.exists([key(1), key(2)]) == [True, False]
     stats = store.stats()
     assert (stats.reads, stats.hits, stats.misses, stats.writes, stats.deletions) == (3, 2, 1, 2, 1)
-    assert (stats.bytes_read, stats.bytes_written) == (len(RECORD) + 3, len(RECORD) + 3)
+    assert (stats.bytes_read, stats.bytes_written) == (len(RECORD) + len(TWO), len(RECORD) + len(TWO))
     store.close()
     with pytest.raises(StoreError) as caught:
         store.get([key(1)])
@@ -134,10 +137,10 @@ def test_disk_put_get_exists_delete(tmp_path):
 def test_disk_store_survives_a_restart_and_keeps_its_budget(tmp_path):
     path = str(tmp_path / "store")
     first = DiskStore(path, capacity_bytes=100_000)
-    first.put([(key(i), bytes(10_000)) for i in range(8)])
+    first.put([(key(i), record_of(10_000)) for i in range(8)])
     first.close()
     again = DiskStore(path, capacity_bytes=100_000)
-    assert again.get([key(0), key(7)]) == [bytes(10_000)] * 2
+    assert again.get([key(0), key(7)]) == [record_of(10_000)] * 2
     smaller = DiskStore(path, capacity_bytes=50_000)     # a smaller budget applies at open
     assert folder_bytes(smaller) <= 50_000 and smaller.stats().evictions > 0
 
@@ -145,11 +148,11 @@ def test_disk_store_survives_a_restart_and_keeps_its_budget(tmp_path):
 def test_disk_deletes_least_recently_read_first(tmp_path):
     store = DiskStore(str(tmp_path / "store"), capacity_bytes=3500)
     for i in range(3):
-        store.put([(key(i), bytes(1000))])
+        store.put([(key(i), record_of(1000))])
         time.sleep(0.03)                    # file times tick coarsely
-    assert store.get([key(0)]) == [bytes(1000)]      # key 0 is now the most recently read
+    assert store.get([key(0)]) == [record_of(1000)]  # key 0 is now the most recently read
     time.sleep(0.03)
-    store.put([(key(3), bytes(1000))])      # 4000 > 3500: evict down to 3150, i.e. one record
+    store.put([(key(3), record_of(1000))])  # 4000 > 3500: evict down to 3150, i.e. one record
     assert store.exists([key(0), key(1), key(2), key(3)]) == [True, False, True, True]
     assert store.stats().evictions == 1
 
@@ -157,7 +160,7 @@ def test_disk_deletes_least_recently_read_first(tmp_path):
 def test_disk_stays_within_budget_under_many_puts(tmp_path):
     store = DiskStore(str(tmp_path / "store"), capacity_bytes=10 * 4096)
     for i in range(60):
-        store.put([(key(i), bytes(4096))])
+        store.put([(key(i), record_of(4096))])
         assert folder_bytes(store) <= 10 * 4096
     assert store.exists([key(59)]) == [True]
     assert store.stats().evictions >= 50
@@ -165,7 +168,7 @@ def test_disk_stays_within_budget_under_many_puts(tmp_path):
 
 def test_disk_record_removed_between_exists_and_get_is_a_miss(tmp_path):
     store = DiskStore(str(tmp_path / "store"), capacity_bytes=1 << 20)
-    store.put([(key(1), b"record")])
+    store.put([(key(1), TWO)])
     assert store.exists([key(1)]) == [True]
     for path in store.root.glob("*/*.kvr"):
         path.unlink()                       # another engine deleted it
@@ -188,28 +191,33 @@ def test_disk_ignores_and_removes_temp_files_of_crashed_writers(tmp_path):
 
 def test_disk_failures_are_store_errors(tmp_path):
     store = DiskStore(str(tmp_path / "store"), capacity_bytes=1 << 20)
-    unreadable, unwritable = b"\x01" * 16, b"\x02" * 16
-    (store.root / "01" / f"{unreadable.hex()}.kvr").mkdir()     # a record path that cannot be read
-    with pytest.raises(StoreError) as caught:
-        store.get([unreadable])
-    assert caught.value.kind == "io"
+    unwritable = b"\x02" * 16
     (store.root / "02").rmdir()
     (store.root / "02").write_bytes(b"")                         # a shard that cannot hold files
     with pytest.raises(StoreError):
-        store.put([(unwritable, b"record")])
+        store.put([(unwritable, TWO)])
+    shutil.rmtree(store.root)
+    store.root.write_bytes(b"")                                  # a folder that cannot be read
+    with pytest.raises(StoreError) as caught:
+        store.get([unwritable])
+    assert caught.value.kind == "io"
     assert store.stats().errors == {"io": 2} and store.stats().reads == 1
 
 
 def test_disk_store_recreates_a_folder_removed_under_it(tmp_path):
     store = DiskStore(str(tmp_path / "store"), capacity_bytes=1 << 20)
     (store.root / key(1)[:1].hex()).rmdir()        # a user clearing the cache while the engine runs
-    store.put([(key(1), b"record")])
-    assert store.get([key(1)]) == [b"record"]
+    store.put([(key(1), TWO)])
+    assert store.get([key(1)]) == [TWO]
+    shutil.rmtree(store.root)                       # the whole folder
+    assert store.get([key(1)]) == [None] and store.exists([key(1)]) == [False]
+    store.put([(key(1), TWO)])
+    assert store.get([key(1)]) == [TWO]
 
 
 def test_disk_store_under_a_thread_pool(tmp_path):
     store = DiskStore(str(tmp_path / "store"), capacity_bytes=6 * 10_000)
-    records = {key(i): bytes([i]) * 10_000 for i in range(8)}
+    records = {key(i): record_of(10_000, fill=i) for i in range(8)}
 
     def work(i: int) -> int:
         k = key(i % 8)
@@ -241,16 +249,16 @@ def test_two_processes_on_one_folder_never_see_a_torn_record(tmp_path):
 
 def test_redis_batch_ops(redis_server: RedisServer):
     store = RedisStore(redis_server.url, timeout_s=1.0)
-    store.put([(key(1), RECORD), (key(2), b"two")])
+    store.put([(key(1), RECORD), (key(2), TWO)])
     assert store.exists([key(1), key(2), key(3)]) == [True, True, False]
-    assert store.get([key(2), key(3), key(1)]) == [b"two", None, RECORD]
+    assert store.get([key(2), key(3), key(1)]) == [TWO, None, RECORD]
     store.delete([key(2), key(3)])
     assert store.exists([key(1), key(2)]) == [True, False]
     assert store.exists([]) == [] and store.get([]) == []
     assert redis_server.client().keys("*") == [f"kvstrata:{key(1).hex()}".encode()]
     stats = store.stats()
     assert (stats.reads, stats.hits, stats.misses, stats.writes, stats.deletions) == (3, 2, 1, 2, 1)
-    assert stats.bytes_read == stats.bytes_written == len(RECORD) + 3 and stats.errors == {}
+    assert stats.bytes_read == stats.bytes_written == len(RECORD) + len(TWO) and stats.errors == {}
     store.close()
     with pytest.raises(StoreError):
         store.exists([key(1)])
@@ -276,8 +284,8 @@ def test_redis_store_under_a_thread_pool(redis_server: RedisServer):
     store = RedisStore(redis_server.url, timeout_s=1.0)
 
     def work(i: int) -> bool:
-        store.put([(key(i), bytes([i % 256]) * 1000)])
-        return store.get([key(i)]) == [bytes([i % 256]) * 1000]
+        store.put([(key(i), record_of(1000, fill=i % 256))])
+        return store.get([key(i)]) == [record_of(1000, fill=i % 256)]
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(work, range(100)))
@@ -285,7 +293,7 @@ def test_redis_store_under_a_thread_pool(redis_server: RedisServer):
 
 def test_redis_restart_between_calls_is_invisible(redis_server: RedisServer):
     store = RedisStore(redis_server.url, timeout_s=1.0)
-    store.put([(key(1), b"record")])
+    store.put([(key(1), TWO)])
     redis_server.kill()
     redis_server.start()                    # the pooled connection is now stale
     assert store.get([key(1)]) == [None]    # retried on a fresh connection; the data went with the server
@@ -294,7 +302,7 @@ def test_redis_restart_between_calls_is_invisible(redis_server: RedisServer):
 
 def test_redis_down_fails_fast_then_recovers(redis_server: RedisServer):
     store = RedisStore(redis_server.url, timeout_s=1.0)
-    store.put([(key(1), b"record")])
+    store.put([(key(1), TWO)])
     redis_server.kill()
     start = time.monotonic()
     for attempt in range(20):
@@ -305,8 +313,8 @@ def test_redis_down_fails_fast_then_recovers(redis_server: RedisServer):
     assert time.monotonic() - start < 0.5
     redis_server.start()
     time.sleep(1.1)                         # the breaker's cooldown
-    store.put([(key(2), b"again")])         # the same store object works again
-    assert store.get([key(2)]) == [b"again"]
+    store.put([(key(2), record_of(200))])         # the same store object works again
+    assert store.get([key(2)]) == [record_of(200)]
     assert store.stats().errors == {"connection": 20}
 
 
@@ -316,7 +324,7 @@ def test_redis_hung_server_times_out(redis_server: RedisServer):
     try:
         start = time.monotonic()
         with pytest.raises(StoreError) as caught:
-            store.put([(key(1), b"record")])
+            store.put([(key(1), TWO)])
         assert caught.value.kind == "timeout"
         for _ in range(5):
             with pytest.raises(StoreError, match="next try in"):
