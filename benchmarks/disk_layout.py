@@ -35,10 +35,11 @@ import xxhash
 
 from kvstrata.kvcache.buffers import KVCacheSpec
 from kvstrata.kvcache.stores.disk import DiskStore
-from kvstrata.kvcache.stores.records import record_size
+from kvstrata.kvcache.stores.records import encode_record, record_size
 
 # One fp32 block of the default model (SmolLM2-135M: 30 layers, 3 kv heads, head dim 64), 16 tokens.
-RECORD_BYTES = record_size(KVCacheSpec(30, 3, 64, 16, torch.float32))
+SPEC = KVCacheSpec(30, 3, 64, 16, torch.float32)
+RECORD_BYTES = record_size(SPEC)
 BATCH = 16
 SEGMENT_BYTES = 64 * 1024 * 1024
 INDEX_ENTRY = struct.Struct("<16sIQQ")            # key, segment, offset, length
@@ -190,9 +191,10 @@ def main() -> None:
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
-    base = rng.randbytes(RECORD_BYTES)
+    base = rng.randbytes(SPEC.bytes_per_block)
     keys = [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(args.records)]
-    payloads = [key + base[16:] for key in keys]      # distinct records, generated once
+    # distinct records, generated once: records, since the DiskStore reads nothing else
+    payloads = [encode_record(SPEC, "disk_layout", key, list(range(16)), key + base[16:]) for key in keys]
     print(f"{args.records} records of {RECORD_BYTES / 1e6:.2f} MB, batches of {BATCH}, "
           f"median of {args.rounds} rounds")
     layouts = {"files": FilesLayout, "segments": SegmentLayout, "DiskStore": ShippedStore}
