@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.calibration.calibrate import _store_link, _store_name
-from tests.kvcache.stores.store_helpers import RedisServer, redis_server  # noqa: F401
+from tests.kvcache.stores.store_helpers import RedisServer, record_of, redis_server  # noqa: F401
 
-RECORD = bytes(range(256)) * 1440          # a 368,640-byte record: a 16-token block of SmolLM2-135M
+RECORD = record_of(368_640)                # a 16-token block of SmolLM2-135M's size (a store reads only records)
 
 
 @pytest.mark.parametrize("spec", ["disk", "redis"])

@@ -4,6 +4,7 @@
     disk.py           `DiskStore`, the embedded default: a file per block, a byte budget, LRU deletion
     redis_store.py    `RedisStore`, for engines sharing a cache
     redis_cluster.py  `RedisClusterStore`, the same over a Redis Cluster
+    redis_reads.py    the get both Redis stores share: a value read only once it is a record of its length
     records.py        the record format (header, token ids, checksum; never pickle)
 """
 

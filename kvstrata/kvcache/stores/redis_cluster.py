@@ -6,6 +6,8 @@ pipeline per node (redis-py's cluster client maps keys to nodes; its own multi-k
 refuse keys of different slots). Each node has its own circuit breaker, so a master that dies costs
 misses (gets) and dropped writes (puts) for the keys it owned, counted as errors, while the other
 masters go on answering: a batch never fails as a whole, and nothing reaches the engine's clients.
+A get is two such rounds, so a value is read only once it is a record of its length, and no further
+(kvstrata.kvcache.stores.redis_reads).
 
 Run the cluster with `cluster-require-full-coverage no`, or every master refuses every key while
 one master is down; a cluster whose slots moved (MOVED replies) is re-read on the next batch.
@@ -22,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvstrata.kvcache.stores.base import REDIS_PREFIX, Breaker, Counters, StoreError, StoreStats, guard
+from kvstrata.kvcache.stores.redis_reads import Command, checked, grouped, plan, probe, value
 
 logger = logging.getLogger(__name__)
 
@@ -109,17 +112,17 @@ class RedisClusterStore:
             groups.setdefault(node.name, (node, []))[1].append(index)
         return groups
 
-    def _pipeline(self, node: Any, command: str, arguments: list[tuple], reads: int) -> list | None:
+    def _pipeline(self, node: Any, commands: list[Command], reads: int) -> list | None:
         """One pipeline to one node behind its breaker; None (counted as an error) if it failed."""
         breaker = self._breakers[node.name]
         try:
             with guard(self._counters, self._closed, reads):
                 breaker.admit()
                 pipe = self._client.get_redis_connection(node).pipeline(transaction=False)
-                for args in arguments:
-                    pipe.execute_command(command, *args)
+                for command in commands:
+                    pipe.execute_command(*command)
                 try:
-                    results = pipe.execute()
+                    results = checked(pipe.execute(raise_on_error=False))
                 except (self._redis.ConnectionError, self._redis.TimeoutError, TimeoutError, ConnectionError):
                     breaker.tripped()
                     raise
@@ -132,21 +135,23 @@ class RedisClusterStore:
             logger.debug("redis cluster node %s: %s", node.name, exc)
             return None
 
-    def _each_node(self, command: str, keys: Sequence[bytes], arguments: list[tuple],
-                   reads: bool = False) -> tuple[list[Any], int]:
-        """`command` for every key, one pipeline per node: (results, None where a node failed; how
-        many keys were answered)."""
-        results: list[Any] = [None] * len(keys)
+    def _each_node(self, keys: Sequence[bytes], commands: Sequence[list[Command]],
+                   reads: bool = False) -> tuple[list[list | None], int]:
+        """Each key's `commands`, one pipeline per node: (each key's replies, None where its node failed;
+        how many keys were answered)."""
+        results: list[list | None] = [None] * len(keys)
         answered = 0
         if not keys:
             return results, answered
         for node, indices in self._by_node(keys).values():
-            replies = self._pipeline(node, command, [arguments[i] for i in indices], len(indices) if reads else 0)
+            sent = [commands[i] for i in indices]
+            replies = self._pipeline(node, [command for each in sent for command in each],
+                                     len(indices) if reads else 0)
             if replies is None:
                 continue
             answered += len(indices)
-            for index, result in zip(indices, replies):
-                results[index] = result
+            for index, replied in zip(indices, grouped(replies, sent)):
+                results[index] = replied
         return results, answered
 
     @staticmethod
@@ -155,26 +160,34 @@ class RedisClusterStore:
 
     # ---- the Store protocol ---------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        counts, _ = self._each_node("EXISTS", keys, [(self._key(k),) for k in keys])
-        return [bool(count) for count in counts]
+        counts, _ = self._each_node(keys, [[("EXISTS", self._key(k))] for k in keys])
+        return [bool(count and count[0]) for count in counts]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Records, None for a miss; keys of a failed node are misses (their reads counted by the guard)."""
-        records, answered = self._each_node("GET", keys, [(self._key(k),) for k in keys], reads=True)
+        names = [self._key(k) for k in keys]
+        probes, _ = self._each_node(keys, [probe(name) for name in names], reads=True)
+        asked = [i for i, replies in enumerate(probes) if replies is not None]
+        reads = {i: plan(names[i], probes[i]) for i in asked}
+        bodies, answered = self._each_node([keys[i] for i in asked], [reads[i].commands for i in asked], reads=True)
+        records: list[bytes | None] = [None] * len(keys)
+        for i, replies in zip(asked, bodies):
+            records[i] = value(reads[i], replies)
         found = [record for record in records if record is not None]
         self._counters.add(reads=answered, hits=len(found), misses=answered - len(found),
-                           bytes_read=sum(len(record) for record in found))
+                           bytes_read=sum(len(record) for record in found),
+                           refused=sum(read.refused for read in reads.values()))
         return records
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         """Writes to a failed node are dropped (counted as errors), the others stored."""
-        done, _ = self._each_node("SET", [key for key, _ in items], [(self._key(k), r) for k, r in items])
+        done, _ = self._each_node([key for key, _ in items], [[("SET", self._key(k), r)] for k, r in items])
         stored = [record for (_, record), ok in zip(items, done) if ok]
         self._counters.add(writes=len(stored), bytes_written=sum(len(record) for record in stored))
 
     def delete(self, keys: Sequence[bytes]) -> None:
-        removed, _ = self._each_node("DEL", keys, [(self._key(k),) for k in keys])
-        self._counters.add(deletions=sum(count or 0 for count in removed))
+        removed, _ = self._each_node(keys, [[("DEL", self._key(k))] for k in keys])
+        self._counters.add(deletions=sum(count[0] for count in removed if count))
 
     def stats(self) -> StoreStats:
         return self._counters.snapshot()

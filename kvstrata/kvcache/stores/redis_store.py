@@ -9,6 +9,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from kvstrata.kvcache.stores.base import REDIS_PREFIX, Breaker, Counters, StoreError, StoreStats, guard
+from kvstrata.kvcache.stores.redis_reads import Command, checked, grouped, plan, probe, value
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -21,7 +22,8 @@ class RedisStore:
     `redis-server --maxmemory 20gb --maxmemory-policy allkeys-lru`; with the default `noeviction`
     policy a full Redis refuses puts (StoreError("full")) while keeping old records forever.
 
-    Each batch is one round trip (MGET, a pipeline of EXISTS or SET, one DEL). Timeouts bound every
+    Each batch is one round trip (a pipeline of EXISTS or SET, one DEL), a get two: a value is read only
+    once it is a record of its length, and no further (kvstrata.kvcache.stores.redis_reads). Timeouts bound every
     socket wait, and nothing is retried: after a connection failure or a timeout the breaker makes
     calls fail fast for a second, then lets one through. A Redis restart between calls costs nothing:
     redis-py replaces a pooled connection the server closed when it hands it out. The redis-py
@@ -66,31 +68,37 @@ class RedisStore:
             self._breaker.succeeded()
             return result
 
-    def _pipeline(self, command: str, arguments: Sequence[tuple]) -> list:
+    def _pipeline(self, commands: Sequence[Sequence[Command]]) -> list[list]:
+        """Each key's commands in one pipeline; each key's replies."""
         pipe = self._client.pipeline(transaction=False)
-        for args in arguments:
-            pipe.execute_command(command, *args)
-        return pipe.execute()
+        for each in commands:
+            for command in each:
+                pipe.execute_command(*command)
+        return grouped(checked(pipe.execute(raise_on_error=False)), commands)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
             return []
-        counts = self._call(self._pipeline, "EXISTS", [(self._key(key),) for key in keys])
-        return [bool(count) for count in counts]
+        counts = self._call(self._pipeline, [[("EXISTS", self._key(key))] for key in keys])
+        return [bool(count) for count, in counts]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        records = self._call(self._client.mget, [self._key(key) for key in keys], failed_reads=len(keys))
+        names = [self._key(key) for key in keys]
+        probes = self._call(self._pipeline, [probe(name) for name in names], failed_reads=len(keys))
+        reads = [plan(name, replies) for name, replies in zip(names, probes)]
+        bodies = self._call(self._pipeline, [read.commands for read in reads], failed_reads=len(keys))
+        records = [value(read, replies) for read, replies in zip(reads, bodies)]
         found = [record for record in records if record is not None]
         self._counters.add(reads=len(keys), hits=len(found), misses=len(keys) - len(found),
-                           bytes_read=sum(len(record) for record in found))
+                           bytes_read=sum(len(record) for record in found), refused=sum(r.refused for r in reads))
         return records
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         if not items:
             return
-        self._call(self._pipeline, "SET", [(self._key(key), record) for key, record in items])
+        self._call(self._pipeline, [[("SET", self._key(key), record)] for key, record in items])
         self._counters.add(writes=len(items), bytes_written=sum(len(record) for _, record in items))
 
     def delete(self, keys: Sequence[bytes]) -> None:

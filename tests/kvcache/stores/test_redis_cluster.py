@@ -10,7 +10,7 @@ import pytest
 from kvstrata.kvcache.stores import open_store
 from kvstrata.kvcache.stores.base import BREAKER_COOLDOWN_S
 from kvstrata.kvcache.stores.redis_cluster import RedisClusterStore, parse_cluster_url
-from tests.kvcache.stores.store_helpers import redis_cluster  # noqa: F401  (fixture)
+from tests.kvcache.stores.store_helpers import record_of, redis_cluster  # noqa: F401  (fixture)
 
 
 def test_parse_cluster_url():
@@ -23,7 +23,7 @@ def test_parse_cluster_url():
 def test_keys_spread_and_a_dead_master_costs_misses(redis_cluster):  # noqa: F811
     store = open_store(redis_cluster.url, None, 1, 0.5)
     assert isinstance(store, RedisClusterStore)
-    items = [(i.to_bytes(16, "little"), bytes([i % 251]) * 100) for i in range(120)]
+    items = [(i.to_bytes(16, "little"), record_of(200, fill=i)) for i in range(120)]
     keys = [key for key, _ in items]
     store.put(items)
     assert store.get(keys) == [record for _, record in items]
@@ -38,7 +38,7 @@ def test_keys_spread_and_a_dead_master_costs_misses(redis_cluster):  # noqa: F81
     missing = sum(record is None for record in records)
     assert missing == per_master[1]
     assert [r for r in records if r is not None] == [rec for (_, rec), r in zip(items, records) if r is not None]
-    store.put([(b"x" * 16, b"y")] + items[:10])               # writes to the dead master are dropped
+    store.put([(b"x" * 16, record_of(200))] + items[:10])    # writes to the dead master are dropped
     assert store.get(keys[:10]).count(None) == sum(r is None for r in records[:10])
     errors = store.stats().errors
     assert sum(errors.values()) >= 2 and set(errors) <= {"connection", "timeout"}, errors

@@ -13,11 +13,13 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
 
-from kvstrata.kvcache.stores import DiskStore
+from kvstrata.kvcache.stores import DiskStore, RedisStore, open_store
 from kvstrata.kvcache.stores.base import StoreError
 from kvstrata.kvcache.stores.records import HEADER
-from tests.kvcache.stores.store_helpers import record_of
+from tests.kvcache.stores.store_helpers import (RedisServer, record_of, redis_cluster,  # noqa: F401  (fixtures)
+                                               redis_server)
 
 SECRET = b"root:x:0:0:the secret of /etc/passwd\n" * 8
 LONG_AGO = (1_000_000_000, 1_000_000_000)          # atime, mtime of the files outside, so a touch shows
@@ -162,3 +164,44 @@ def test_a_fifo_or_a_folder_in_a_records_place_is_a_miss_without_a_hang(store, c
     assert store.exists([key(1), key(2)]) == [False, False]
     assert not os.path.lexists(fifo) and folder.is_dir()    # a FIFO is removed; a folder is left
     assert "refused" in caplog.text
+
+
+# ---- redis ------------------------------------------------------------------------------------------
+
+def write_hostile(client, k: bytes, kind: int) -> None:
+    """Under our key: a record with bytes after it, a torn record, a passwd file, 8 MB of junk, or a list."""
+    name, good = f"kvstrata:{k.hex()}", record_of(200)
+    if kind == 4:
+        client.rpush(name, good)
+    else:
+        client.set(name, (good + b"and more", good[:-1], SECRET, os.urandom(8 << 20))[kind])
+
+
+def test_redis_values_not_of_their_records_length_are_misses_never_read(redis_server: RedisServer, caplog):
+    client = redis_server.client()
+    store = RedisStore(redis_server.url, timeout_s=1.0)
+    hostile = [key(i) for i in range(1, 6)]
+    for kind, k in enumerate(hostile):
+        write_hostile(client, k, kind)
+    store.put([(key(9), record_of(300))])
+    sent = client.info("stats")["total_net_output_bytes"]
+    records = store.get([*hostile, key(9)])
+    assert records == [None] * 5 + [record_of(300)]
+    assert client.info("stats")["total_net_output_bytes"] - sent < 64 << 10    # not the 8 MB, nor any tail
+    assert store.exists(hostile) == [False] * 5         # deleted, as a bad record is
+    stats = store.stats()
+    assert (stats.refused, stats.hits, stats.misses, stats.errors) == (5, 1, 5, {})
+    assert SECRET[:8].decode() not in caplog.text and hostile[2].hex() in caplog.text
+
+
+def test_redis_cluster_values_not_of_their_records_length_are_misses(redis_cluster):  # noqa: F811
+    store = open_store(redis_cluster.url, None, 1, 0.5)
+    client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.masters[0].port)
+    hostile = [key(i) for i in range(1, 6)]
+    for kind, k in enumerate(hostile):
+        write_hostile(client, k, kind)
+    client.close()
+    store.put([(key(9), record_of(300))])
+    assert store.get([*hostile, key(9)]) == [None] * 5 + [record_of(300)]
+    assert store.exists(hostile) == [False] * 5
+    assert store.stats().refused == 5 and store.stats().errors == {}
