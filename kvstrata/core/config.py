@@ -250,7 +250,13 @@ class ServerConfig:
 
     host: str = _opt("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
     port: int = _opt(8000, "TCP port")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1/* (default: open)")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health (default: "
+                                     "open)")
+    metrics_without_key: bool = _opt(False, "with --api-key, leave /metrics open (for a Prometheus that cannot "
+                                            "send the key)")
+    max_body_bytes: int = _opt(8 << 20, "largest request body in bytes; a larger one gets 413 before it is read")
+    body_timeout: float = _opt(60.0, "seconds a client has to send its whole request body (408 past it, or "
+                                     "after 10 s with no byte)")
     served_model_name: str | None = _opt(None, "model name clients must send (default: the model's own)")
     max_queue: int = _opt(256, "requests in flight (running or waiting) before new ones get 503")
     timelines_kept: int = _opt(4096, "timelines of the last requests kept for GET /v1/timelines (each a few KiB; "
@@ -280,6 +286,8 @@ class ServerConfig:
     def validate(self) -> ServerConfig:
         _require(0 <= self.port <= 65535, f"port must be in 0..65535, not {self.port}")
         _require(self.max_queue >= 1, "max_queue must be at least 1")
+        _require(self.max_body_bytes >= 1024, "max_body_bytes must be at least 1024")
+        _require(self.body_timeout > 0, "body_timeout must be positive")
         _require(self.timelines_kept >= 1, "timelines_kept must be at least 1")
         _require(self.kv_events_kept >= 1, "kv_events_kept must be at least 1")
         _require(self.allocator in ALLOCATORS, f"allocator must be one of {', '.join(ALLOCATORS)}, not "

@@ -26,7 +26,7 @@ from kvstrata.engine.commands import Abort, AbortAll, AddRequest, Call, Command
 from kvstrata.engine.heap_trim import HeapTrimmer
 from kvstrata.engine.kv_events import EngineLoad, KVEventLog, KVEventRecorder
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.prompts import Prompt, PromptEncoder
+from kvstrata.engine.prompts import Prompt, PromptEncoder, Tokenized
 from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class AsyncLLMEngine:
         with self._in_flight_lock:
             self._in_flight += delta
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+    async def generate(self, prompt: Prompt | Tokenized, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0, prediction: str | None = None, hand_off: bool = False,
                        lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as steps produce them (a family's samples interleaved,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstrata.core.sampling_params import SamplingParams
-from kvstrata.engine.prompts import Prompt
+from kvstrata.engine.prompts import Prompt, Tokenized
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class AddRequest:
     """Queue a request (LLMEngine.add_request's arguments); `admitted` settles once it is queued or refused, and
     its outputs go to `outputs` on `loop`."""
 
-    prompt: Prompt
+    prompt: Prompt | Tokenized
     params: SamplingParams | None
     request_id: str
     priority: int

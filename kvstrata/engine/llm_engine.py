@@ -34,7 +34,7 @@ from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.core.timeline import RequestTimeline
 from kvstrata.engine.adapters import Adapters
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
-from kvstrata.engine.prompts import Prompt, PromptEncoder
+from kvstrata.engine.prompts import Prompt, PromptEncoder, Tokenized
 from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot, EngineStats, RequestCounts, copied
 from kvstrata.engine.timelines import TimelineRecorder
 from kvstrata.engine.tracking import HeldHandOff, Tracked, combine
@@ -99,7 +99,7 @@ class LLMEngine:
         """Token ids of a chat rendered with the model's own template, ready for the reply."""
         return self.prompts.chat_prompt(messages, tools)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+    def add_request(self, prompt: Prompt | Tokenized, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
                     prediction: str | Sequence[int] | None = None, hand_off: bool = False,
                     lora: str | None = None) -> Request:
@@ -114,8 +114,14 @@ class LLMEngine:
         (see HandOff); needs a store and n == 1. `lora`: the name of a LoRA adapter to run under (None
         or the base model's name: none); a request waits, holding nothing, while every adapter slot is busy.
         """
-        token_ids = self.prompts.encode(prompt)
-        params = self._resolved(params or SamplingParams(), token_ids)
+        params = params or SamplingParams()
+        if isinstance(prompt, Tokenized):
+            assert prediction is None, "a Tokenized prompt carries its prediction"
+            tokenized = prompt
+        else:
+            tokenized = self.prompts.tokenize(prompt, params.bad_words, prediction)
+        token_ids = list(tokenized.prompt)
+        params = self._resolved(params, token_ids)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         request_id = request_id or f"req-{next(self._ids)}"
@@ -123,8 +129,7 @@ class LLMEngine:
         num_samples = params.num_samples
         if hand_off:
             self._check_hand_off(num_samples)
-        bad_words = self.prompts.bad_word_sequences(params.bad_words)
-        predicted = tuple(self.prompts.encode(prediction)) if prediction else ()
+        bad_words, predicted = tokenized.bad_words, tokenized.prediction
         adapter = self.adapters.resolve(lora)
         hasher = self.adapters.hasher_for(adapter)
         samples = [Request(request_id if num_samples == 1 else f"{request_id}/{index}", token_ids,

@@ -28,6 +28,17 @@ class ChatPrompt:
     continue_final_message: bool = False       # or continue the last message, left open
 
 
+@dataclass(frozen=True)
+class Tokenized:
+    """A request's text already turned into ids (`PromptEncoder.tokenize`): the HTTP server does it on
+    worker threads, so a long prompt or ten thousand bad words stall neither its event loop nor the
+    engine thread's steps."""
+
+    prompt: tuple[int, ...]
+    bad_words: tuple[tuple[int, ...], ...] = ()     # each bad word's spellings (`bad_word_sequences`)
+    prediction: tuple[int, ...] = ()                # OpenAI predicted outputs, as ids
+
+
 Prompt = str | Sequence[int] | ChatPrompt
 
 
@@ -42,6 +53,12 @@ class PromptEncoder:
     def copy(self) -> PromptEncoder:
         """An encoder with a tokenizer of its own, for another thread."""
         return PromptEncoder(copy.deepcopy(self.tokenizer), self.chat_template, self.model_name)
+
+    def tokenize(self, prompt: Prompt, bad_words: Sequence[str] = (),
+                 prediction: str | Sequence[int] | None = None) -> Tokenized:
+        """Everything of a request that needs the tokenizer, in one call."""
+        return Tokenized(tuple(self.encode(prompt)), self.bad_word_sequences(bad_words),
+                         tuple(self.encode(prediction)) if prediction else ())
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, ChatPrompt):

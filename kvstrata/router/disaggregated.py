@@ -35,7 +35,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvstrata.core.disconnects import ClientGone, unless_disconnected
 from kvstrata.router.fleet import Fleet
-from kvstrata.router.forwarding import CLIENT_GONE, forward, forwarded_headers, read_body
+from kvstrata.router.forwarding import CLIENT_GONE, forward, read_body
 from kvstrata.router.policies import NoEngineAvailable, RoutedPrompt
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ NOT_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "max_completion_tok
 
 async def route_pd(fleet: Fleet, request: Request, path: str) -> Response:
     raw, body = await read_body(request)
-    prompt = fleet.routed_prompt(path, body)
+    prompt = await fleet.routed_prompt(path, body)
     metrics = fleet.metrics
     try:
         reason = _not_handed_over(path, body)
@@ -122,7 +122,7 @@ async def _prefill(fleet: Fleet, request: Request, path: str, body: dict,
         started, outcome = time.monotonic(), "ok"
         try:
             reply = await unless_disconnected(request.is_disconnected, fleet.client.post(
-                f"{view.url}{path}", content=sent, headers=forwarded_headers(request), timeout=timeout))
+                f"{view.url}{path}", content=sent, headers=fleet.headers_for_engine(request.headers), timeout=timeout))
         except ClientGone:
             outcome = "client_gone"
             raise ClientGone("prefill") from None

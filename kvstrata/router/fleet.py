@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ class RouterConfig:
     connect_timeout: float = 2.0
     request_timeout: float = 600.0        # longest wait for an engine's next bytes
     engine_api_key: str | None = None     # the engines' --api-key, for the router's own calls (events)
+    api_key: str | None = None            # the router's own: clients send it, the engines get engine_api_key
     prefill: tuple[str, ...] = ()         # --pd-disaggregation: engines run with --disaggregation-mode prefill
     decode: tuple[str, ...] = ()          # ... and with --disaggregation-mode decode
     handoff_timeout: float = 120.0        # longest wait for a prefill engine's answer (its prefill and store writes)
@@ -75,8 +77,18 @@ class PromptTokens:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self._lock = threading.Lock()       # one tokenizer object is not safe under concurrent calls
 
-    def __call__(self, path: str, body: Any) -> list[int] | None:
+    async def __call__(self, path: str, body: Any) -> list[int] | None:
+        """Off the event loop (a long prompt delays its own routing only)."""
+        return await asyncio.to_thread(self._locked, path, body)
+
+    def _locked(self, path: str, body: Any) -> list[int] | None:
+        with self._lock:
+            return self.ids(path, body)
+
+    def ids(self, path: str, body: Any) -> list[int] | None:
+        """The ids, on the caller's thread (one thread at a time)."""
         try:
             if path == "/v1/chat/completions":
                 return self._chat(body["messages"])
@@ -169,15 +181,25 @@ class Fleet:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout,
                                                                connect=config.connect_timeout))
         self._own_headers = {"authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
+
+    def headers_for_engine(self, client: Mapping[str, str]) -> dict[str, str]:
+        """A client's headers as an engine gets them: its key passed on, unless the router has a key of
+        its own (then the client's key is the router's, and the engines get --engine-api-key)."""
+        headers = {name: value for name, value in client.items()
+                   if name.lower() in ("authorization", "content-type", "accept")}
+        if self.config.api_key is not None:
+            headers = {name: value for name, value in headers.items() if name.lower() != "authorization"}
+            headers.update(self._own_headers)
+        return headers
         self._watchers: list[asyncio.Task] = []
 
     # ---- routing --------------------------------------------------------------------------------
-    def routed_prompt(self, path: str, body: Any) -> RoutedPrompt:
+    async def routed_prompt(self, path: str, body: Any) -> RoutedPrompt:
         """The request as the policy sees it, hashed with the chain root the engines publish: a LoRA
         adapter's own root when `model` names one an engine serves (its blocks are keyed by it), else
         the base model's."""
         informed = next((v for v in self.views if v.hash_root is not None), None)
-        token_ids = self.prompt_tokens(path, body)
+        token_ids = await self.prompt_tokens(path, body)
         if informed is None or token_ids is None:
             return RoutedPrompt(len(token_ids or ()), [], informed.block_size if informed else 1)
         model = body.get("model") if isinstance(body, dict) else None

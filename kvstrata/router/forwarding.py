@@ -44,11 +44,6 @@ async def read_body(request: Request) -> tuple[bytes, Any]:
         return raw, None
 
 
-def forwarded_headers(request: Request) -> dict[str, str]:
-    return {name: value for name, value in request.headers.items()
-            if name.lower() in ("authorization", "content-type", "accept")}
-
-
 async def forward(fleet: Fleet, request: Request, path: str, raw: bytes, prompt: RoutedPrompt,
                   group: EngineGroup) -> Response:
     """Send `raw` to the group's policy's engine; if that one is down or refuses, to the next choice.
@@ -70,7 +65,7 @@ async def forward(fleet: Fleet, request: Request, path: str, raw: bytes, prompt:
         try:
             upstream = await unless_disconnected(request.is_disconnected, fleet.client.send(
                 fleet.client.build_request("POST", f"{view.url}{path}", content=raw,
-                                           headers=forwarded_headers(request)), stream=True))
+                                           headers=fleet.headers_for_engine(request.headers)), stream=True))
         except ClientGone:
             settle("client_gone")
             raise

@@ -28,12 +28,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.core.disconnects import ClientGone
+from kvstrata.core.front_door import DoorRules, FrontDoor
 from kvstrata.router.disaggregated import route_pd
 from kvstrata.router.fleet import Fleet
-from kvstrata.router.forwarding import CLIENT_GONE, error, forward, forwarded_headers, read_body
+from kvstrata.router.forwarding import CLIENT_GONE, error, forward, read_body
 
 
-def create_router_app(fleet: Fleet) -> FastAPI:
+def create_router_app(fleet: Fleet, door: DoorRules | None = None) -> FastAPI:
+    """The router's HTTP app; `door`: its key and body limits (kvstrata.core.front_door), checked
+    before a body is read (default: no key, the default limits)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         fleet.start()
@@ -41,6 +44,7 @@ def create_router_app(fleet: Fleet) -> FastAPI:
         await fleet.stop()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
+    app.add_middleware(FrontDoor, rules=door or DoorRules(fleet.config.api_key))
     app.state.fleet = fleet
     route = route_pd if fleet.config.disaggregated else _route
 
@@ -81,7 +85,7 @@ def create_router_app(fleet: Fleet) -> FastAPI:
 async def _forward_get(fleet: Fleet, request: Request, path: str) -> Response:
     for view in [v for v in fleet.views if v.available]:
         try:
-            reply = await fleet.client.get(f"{view.url}{path}", headers=forwarded_headers(request))
+            reply = await fleet.client.get(f"{view.url}{path}", headers=fleet.headers_for_engine(request.headers))
         except httpx.TransportError as exc:
             fleet.take_out(view, f"{type(exc).__name__}: {exc}")
             continue
@@ -99,7 +103,7 @@ async def _gather_timelines(fleet: Fleet, request: Request) -> dict:
     async def ask(view) -> dict:
         try:
             reply = await fleet.client.get(f"{view.url}/v1/timelines", params=params,
-                                            headers=forwarded_headers(request))
+                                            headers=fleet.headers_for_engine(request.headers))
             return reply.json()["timelines"] if reply.status_code == 200 else {}
         except (httpx.HTTPError, ValueError, KeyError):
             return {}
@@ -114,6 +118,6 @@ async def _route(fleet: Fleet, request: Request, path: str) -> Response:
     """Colocated: the whole request to the policy's engine (or, if that one is down, the next choice)."""
     raw, body = await read_body(request)
     try:
-        return await forward(fleet, request, path, raw, fleet.routed_prompt(path, body), fleet.colocated)
+        return await forward(fleet, request, path, raw, await fleet.routed_prompt(path, body), fleet.colocated)
     except ClientGone:
         return Response(status_code=CLIENT_GONE)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
-from kvstrata.core.config import EngineConfig
+from kvstrata.core.config import EngineConfig, ServerConfig
 from kvstrata.engine.async_engine import AsyncLLMEngine
 from kvstrata.engine.kv_events import EVENT_LOG_CAPACITY
 from kvstrata.engine.llm_engine import LLMEngine
@@ -56,14 +56,17 @@ def serving(app, ready: str = "/health"):
 @contextmanager
 def running_server(loaded, api_key: str | None = None, max_queue: int = 256, faults=None, allowed_origins=(),
                    tracing=None, disaggregation_mode: str = "both", timelines_kept: int = 4096,
-                   kv_events_kept: int = EVENT_LOG_CAPACITY, **options):
-    """Yield (base_url, engine); on exit, stop the server and the engine thread."""
+                   kv_events_kept: int = EVENT_LOG_CAPACITY, server: dict | None = None, **options):
+    """Yield (base_url, engine); on exit, stop the server and the engine thread. `server`: more of
+    ServerConfig's options."""
     options.setdefault("kv_cache_memory", "64MiB")
     engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=loaded, faults=faults)
     async_engine = AsyncLLMEngine(engine, kv_events_kept=kv_events_kept).start()
     try:
-        with serving(create_app(async_engine, MODEL, api_key, max_queue, allowed_origins, tracing,
-                                disaggregation_mode, timelines_kept)) as base:
+        config = ServerConfig(api_key=api_key, max_queue=max_queue, allowed_origins=",".join(allowed_origins) or None,
+                              disaggregation_mode=disaggregation_mode, timelines_kept=timelines_kept,
+                              **(server or {}))
+        with serving(create_app(async_engine, MODEL, config, tracing)) as base:
             yield base, engine
     finally:
         async_engine.shutdown()
@@ -93,10 +96,10 @@ def start_server_process(*flags: str, env: dict[str, str] | None = None,
     pytest.fail("server did not start")
 
 
-def scrape(base: str) -> dict[str, float]:
-    """/metrics as {'name{labels}': value}."""
+def scrape(base: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """/metrics as {'name{labels}': value} (`headers`: the key of a server with one)."""
     values = {}
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
+    for line in httpx.get(f"{base}/metrics", headers=headers).text.splitlines():
         match = re.match(r"^(kvstrata_\S+) (\S+)$", line)
         if match:
             values[match.group(1)] = float(match.group(2))
@@ -110,7 +113,7 @@ def wait_idle(engine: LLMEngine, timeout: float = 30.0) -> None:
     assert not engine.has_unfinished, "requests still in the engine"
 
 
-def blocks_at_rest(base: str) -> dict[str, float]:
-    metrics = scrape(base)
+def blocks_at_rest(base: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    metrics = scrape(base, headers)
     return {state: metrics[f'kvstrata_kv_blocks{{state="{state}",tier="device"}}']
             for state in ("free", "cached", "used", "in_flight")}

@@ -5,6 +5,7 @@ both engines' books clean, with nothing held at rest."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -128,7 +129,7 @@ def test_prompts_a_decode_engine_nearly_holds_are_prefilled_there(smollm2, redis
         assert short.json()["choices"][0]["text"] == expected_short and "kv_transfer" not in short.json()["usage"]
         first, _, _ = streamed_chat(base, turn1)
         assert first == expected_first
-        second_prompt = fleet.routed_prompt("/v1/chat/completions", {"messages": turn2})
+        second_prompt = asyncio.run(fleet.routed_prompt("/v1/chat/completions", {"messages": turn2}))
         deadline = time.monotonic() + 10         # the router learns of the first turn's blocks from KV events
         while cached_tokens(fleet.decode.views[0], second_prompt) < 1000:
             assert time.monotonic() < deadline, "the decode engine's KV events never showed the first turn"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -234,14 +235,14 @@ def test_the_router_sees_the_tokens_and_hashes_the_engine_caches(smollm2):
                 {"role": "user", "content": [{"type": "text", "text": "Name "}, {"type": "text", "text": "a colour."}]}]
     with running_server(smollm2) as (live, _), running_router([live], smollm2.tokenizer) as (base, fleet):
         engine_ids = httpx.post(f"{live}/tokenize", json={"messages": messages}).json()["tokens"]
-        assert tokens("/v1/chat/completions", {"messages": messages}) == engine_ids
-        assert tokens("/v1/completions", {"prompt": "Once upon"}) == \
+        assert tokens.ids("/v1/chat/completions", {"messages": messages}) == engine_ids
+        assert tokens.ids("/v1/completions", {"prompt": "Once upon"}) == \
             httpx.post(f"{live}/tokenize", json={"prompt": "Once upon"}).json()["tokens"]
-        assert tokens("/v1/completions", {"prompt": [[5, 6, 7]]}) == [5, 6, 7]
-        assert tokens("/v1/chat/completions", {"messages": "not a list"}) is None
+        assert tokens.ids("/v1/completions", {"prompt": [[5, 6, 7]]}) == [5, 6, 7]
+        assert tokens.ids("/v1/chat/completions", {"messages": "not a list"}) is None
         long_chat = messages + [{"role": "user", "content": " ".join(f"word{k}" for k in range(40))}]
         assert chat(base, long_chat, max_tokens=2).status_code == 200
-        prompt = fleet.routed_prompt("/v1/chat/completions", {"messages": long_chat})
+        prompt = asyncio.run(fleet.routed_prompt("/v1/chat/completions", {"messages": long_chat}))
         assert prompt.max_hit_blocks >= 3
         deadline = time.monotonic() + 5
         while not all(fleet.views[0].holds("device", h) for h in prompt.block_hashes):
@@ -257,8 +258,8 @@ def test_the_router_hashes_an_adapters_prompt_with_its_root_as_the_engine_does(s
             running_router([live], smollm2.tokenizer) as (base, fleet):
         reply = httpx.post(f"{base}/v1/completions", json={"model": "alpha", "prompt": prompt, "max_tokens": 2})
         assert reply.status_code == 200 and reply.json()["model"] == "alpha"
-        routed = fleet.routed_prompt("/v1/completions", {"model": "alpha", "prompt": prompt})
-        as_base = fleet.routed_prompt("/v1/completions", {"prompt": prompt})
+        routed = asyncio.run(fleet.routed_prompt("/v1/completions", {"model": "alpha", "prompt": prompt}))
+        as_base = asyncio.run(fleet.routed_prompt("/v1/completions", {"prompt": prompt}))
         assert routed.max_hit_blocks >= 3 and not set(routed.block_hashes) & set(as_base.block_hashes)
         deadline = time.monotonic() + 5
         while not all(fleet.views[0].holds("device", h) for h in routed.block_hashes):

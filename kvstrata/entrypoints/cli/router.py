@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvstrata.core.front_door import DoorRules
 from kvstrata.router.fleet import RouterConfig, build_fleet, load_tokenizer
 from kvstrata.router.policies import POLICIES
 from kvstrata.router.proxy import create_router_app
@@ -39,7 +40,18 @@ def add_router(commands) -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="longest wait in seconds for an engine's next bytes")
     parser.add_argument("--engine-api-key", default=None,
-                        help="the engines' --api-key, for the router's KV-event polls (clients' keys are passed on)")
+                        help="the engines' --api-key, for the router's KV-event polls; with --api-key, for every "
+                             "call to an engine (else clients' keys are passed on)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health, checked before a body "
+                             "is read (default: open)")
+    parser.add_argument("--metrics-without-key", action="store_true",
+                        help="with --api-key, leave /metrics open (for a Prometheus that cannot send the key)")
+    parser.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                        help="largest request body in bytes; a larger one gets 413 before it is read")
+    parser.add_argument("--body-timeout", type=float, default=60.0,
+                        help="seconds a client has to send its whole request body (408 past it, or after 10 s with "
+                             "no byte)")
     parser.set_defaults(run=run_router, default_log_level="INFO")
 
 
@@ -55,11 +67,14 @@ def run_router(args) -> int:
         return tuple(url.rstrip("/") for url in given)
 
     config = RouterConfig(urls(args.engine), args.policy, args.health_interval, request_timeout=args.request_timeout,
-                          engine_api_key=args.engine_api_key, prefill=urls(args.prefill), decode=urls(args.decode),
+                          engine_api_key=args.engine_api_key, api_key=args.api_key, prefill=urls(args.prefill), decode=urls(args.decode),
                           handoff_timeout=args.handoff_timeout,
                           local_prefill_tokens=args.local_prefill_tokens).validate()
     fleet = build_fleet(config, load_tokenizer(args.model))
-    server = uvicorn.Config(create_router_app(fleet), host=args.host, port=args.port,
+    if args.max_body_bytes < 1024 or args.body_timeout <= 0:
+        raise ValueError("--max-body-bytes must be at least 1024 and --body-timeout positive")
+    door = DoorRules.of(args.api_key, args.metrics_without_key, args.max_body_bytes, args.body_timeout)
+    server = uvicorn.Config(create_router_app(fleet, door), host=args.host, port=args.port,
                             log_level=args.log_level.lower(), access_log=False)
     shape = (f"{len(config.prefill)} prefill + {len(config.decode)} decode engines" if config.disaggregated
              else f"{len(config.engines)} engines")

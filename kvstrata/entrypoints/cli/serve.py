@@ -52,8 +52,7 @@ def run_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncLLMEngine(lambda: LLMEngine(engine_settings, faults=faults),
                                    kv_events_kept=server.kv_events_kept).start()
     name = server.served_model_name or async_engine.info.model_name
-    app = create_app(async_engine, name, server.api_key, server.max_queue, server.origins, tracing,
-                     server.disaggregation_mode, server.timelines_kept)
+    app = create_app(async_engine, name, server, tracing)
     # What loading made (~300k objects: the model, tokenizer, compiled graphs) lives until exit, and a
     # full collection walked it in ~215 ms, a stall of every running stream; frozen, it takes 0.0 ms
     # (2-core EPYC, docs/design/scheduler.md). vLLM and SGLang freeze after start-up for the same reason.

@@ -15,9 +15,10 @@ STEP_FAILED = ("the engine step computing this request failed; the request was e
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -16,6 +16,8 @@ from kvstrata.entrypoints.openai.errors import ApiError
 from kvstrata.structured.grammar import compile_grammar, spec_from_request
 
 MAX_STOP = 16
+MAX_BAD_WORDS = 1024     # each tokenized twice (alone and after a space) before the request is queued
+MAX_BAD_WORD_CHARS = 256
 COMPLETION_MAX_TOKENS = 16      # /v1/completions without max_tokens, as OpenAI and vLLM
 
 # Defined by the OpenAI API, not implemented here: a request that sets one to a non-default value gets 400.
@@ -144,6 +146,14 @@ class SamplingBody(OpenAIModel):
         stops = [value] if isinstance(value, str) else (value or [])
         if len(stops) > MAX_STOP or any(not s for s in stops):
             raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value):
+        if value is not None and (len(value) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in value)):
+            raise ValueError(f"bad_words must be at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} "
+                             "characters")
         return value
 
     def refuse_unsupported(self) -> None:

@@ -99,13 +99,14 @@ async def tokenize(request: Request, body: TokenizeRequest):
     check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "send either 'prompt' or 'messages'", param="prompt")
+    param = "messages" if body.messages is not None else "prompt"
+    prompt = ChatPrompt(tuple(chat_messages(body.messages))) if body.messages is not None else body.prompt
+    state.intake.check_length(prompt, param)
     try:
-        if body.messages is not None:
-            ids = state.prompts.chat_prompt(chat_messages(body.messages))
-        else:
-            ids = state.prompts.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await state.intake.run(lambda encoder: encoder.encode(prompt) if body.messages is not None else
+                                     encoder.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     except ValueError as exc:
-        raise ApiError(400, str(exc), param="messages" if body.messages is not None else "prompt") from exc
+        raise ApiError(400, str(exc), param=param) from exc
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
 
@@ -119,8 +120,9 @@ def check_token_ids(state: ServerState, prompts: list[list[int]], param: str) ->
 async def detokenize(request: Request, body: DetokenizeRequest):
     state = _state(request)
     check_model(state, body.model)
+    state.intake.check_length(body.tokens, "tokens")
     check_token_ids(state, [body.tokens], "tokens")
-    return {"prompt": state.prompts.decode(body.tokens)}
+    return {"prompt": await state.intake.run(lambda encoder: encoder.decode(body.tokens))}
 
 
 @router.post("/v1/chat/completions")
@@ -158,8 +160,12 @@ async def completions(body: CompletionRequest, request: Request):
         raise ApiError(400, "prompt must not be empty", param="prompt")
     if len(prompts) * (body.n or 1) > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts times n)", param="prompt")
+    if body.truncate_prompt_tokens is None:
+        for p in prompts:
+            state.intake.check_length(p, "prompt")
     check_token_ids(state, [p for p in prompts if not isinstance(p, str)], "prompt")    # before echo decodes them
-    echoes = [(p if isinstance(p, str) else state.prompts.decode(p)) if body.echo else "" for p in prompts]
+    echoes = [(p if isinstance(p, str) else await state.intake.run(lambda encoder, ids=p: encoder.decode(ids)))
+              if body.echo else "" for p in prompts]
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     transfer = transfer_of(state, body, len(prompts))
     if transfer is not None:

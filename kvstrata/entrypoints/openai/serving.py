@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvstrata.core.disconnects import ClientGone, unless_disconnected
 from kvstrata.core.outputs import RequestOutput
 from kvstrata.core.sampling_params import GrammarSpec, SamplingParams
-from kvstrata.engine.prompts import Prompt
+from kvstrata.engine.prompts import Prompt, Tokenized
 from kvstrata.entrypoints.openai.completion_output import Job, OutputShape, full_response, sse
 from kvstrata.entrypoints.openai.errors import STEP_FAILED, ApiError
 from kvstrata.entrypoints.openai.handoff import Transfer, count_decode, count_prefill, prefill_answer
@@ -73,30 +73,29 @@ def check_common(state: ServerState, body: SamplingBody, path: str) -> None:
     if body.stream and (body.best_of or 1) > (body.n or 1):
         raise ApiError(400, "best_of greater than n cannot be streamed (the best are known at the end)",
                        param="best_of")
-    if state.engine.num_unfinished >= state.max_queue:
-        raise ApiError(503, f"the server is at capacity ({state.max_queue} requests in flight); retry later",
-                       code="server_overloaded")
 
 
 async def respond(state: ServerState, request: Request, body: SamplingBody, generation: Generation):
     chat = generation.chat
-    params = _sampling(body, generation)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     arrival = time.monotonic()
-    jobs = []
     transfer = generation.transfer
     hand_off = transfer is not None and transfer.role == "prefill"
-    for index, (prompt, echo) in enumerate(zip(generation.prompts, generation.echoes)):
-        engine_id = request_id if len(generation.prompts) == 1 else f"{request_id}-{index}"
-        jobs.append(Job(index, echo, RequestTracker(state, arrival, engine_id, params.num_samples),
-                        state.engine.generate(prompt, params, engine_id, body.priority, generation.prediction,
-                                              hand_off, adapter_of(state, body.model))))
-    try:
-        await unless_disconnected(request.is_disconnected, _first_outputs(jobs, chat, body))
-    except ClientGone:       # left before its first token (a long prefill, a load): aborted there and then
-        for job in jobs:
-            job.tracker.done()
-        return Response(status_code=499)
+    with state.queue_places(len(generation.prompts)):
+        params = await state.intake.run(lambda _: _sampling(body, generation))     # a grammar compiles there
+        tokenized = await _tokenized(state, body, generation, params)
+        jobs = []
+        for index, (prompt, echo) in enumerate(zip(tokenized, generation.echoes)):
+            engine_id = request_id if len(generation.prompts) == 1 else f"{request_id}-{index}"
+            jobs.append(Job(index, echo, RequestTracker(state, arrival, engine_id, params.num_samples),
+                            state.engine.generate(prompt, params, engine_id, body.priority, None, hand_off,
+                                                  adapter_of(state, body.model))))
+        try:
+            await unless_disconnected(request.is_disconnected, _first_outputs(jobs, chat, body))
+        except ClientGone:       # left before its first token (a long prefill, a load): aborted there and then
+            for job in jobs:
+                job.tracker.done()
+            return Response(status_code=499)
     if transfer is not None and transfer.role == "decode":
         count_decode(state, transfer, jobs[0].first)
     shape = OutputShape(chat, params.n, generation.tools, generation.max_tokens == 0, body.return_tokens_as_token_ids,
@@ -140,6 +139,19 @@ def _sampling(body: SamplingBody, generation: Generation) -> SamplingParams:
                              prompt_logprobs=max(scored) if scored else None)
     except ValueError as exc:        # a schema the grammar library rejects too: nothing is queued
         param = getattr(exc, "param", None) or ("best_of" if "best_of" in str(exc) else None)
+        raise ApiError(400, str(exc), param=param) from exc
+
+
+async def _tokenized(state: ServerState, body: SamplingBody, generation: Generation,
+                     params: SamplingParams) -> list[Tokenized]:
+    """Every prompt's ids (with the bad words' and the prediction's), made on the intake's workers."""
+    param = "messages" if generation.chat else "prompt"
+    truncated = body.truncate_prompt_tokens is not None
+    try:
+        return list(await asyncio.gather(*(state.intake.tokenize(prompt, params.bad_words, generation.prediction,
+                                                                 param, truncated)
+                                           for prompt in generation.prompts)))
+    except ValueError as exc:       # the chat template refused the messages
         raise ApiError(400, str(exc), param=param) from exc
 
 

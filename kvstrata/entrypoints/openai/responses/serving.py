@@ -43,20 +43,19 @@ async def create_response(state: ServerState, store: ResponseStore, request: Req
     history = _history(store, body.previous_response_id)
     conversation = [*history, *chat_messages(body.input)]
     tools = body.tool_plan()
-    params = body.sampling(tools)
-    if state.engine.num_unfinished >= state.max_queue:
-        raise ApiError(503, f"the server is at capacity ({state.max_queue} requests in flight); retry later",
-                       code="server_overloaded")
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
     prompt = ChatPrompt(tuple(instructions + conversation), tuple(tools.prompt_tools) if tools else ())
     response_id = new_id("resp")
-    tracker = RequestTracker(state, time.monotonic(), response_id)
-    stream = state.engine.generate(prompt, params, response_id, lora=adapter_of(state, body.model))
-    try:
-        first = await anext(stream)
-    except ValueError as exc:        # refused by the engine (too long, bad template input): nothing queued
-        param = getattr(exc, "param", "prompt")
-        raise ApiError(400, str(exc), param=PARAMS.get(param, param)) from exc
+    with state.queue_places(1):
+        params = await state.intake.run(lambda _: body.sampling(tools))      # a grammar compiles there
+        tracker = RequestTracker(state, time.monotonic(), response_id)
+        try:
+            tokenized = await state.intake.tokenize(prompt, params.bad_words, param="input")
+            stream = state.engine.generate(tokenized, params, response_id, lora=adapter_of(state, body.model))
+            first = await anext(stream)
+        except ValueError as exc:        # refused (too long, bad template input): nothing queued
+            param = getattr(exc, "param", "prompt")
+            raise ApiError(400, str(exc), param=PARAMS.get(param, param)) from exc
     tracker.seen(first)
     turn = _Turn(state, store, body, response_id, tracker.arrival_wall, conversation)
     if body.stream:
