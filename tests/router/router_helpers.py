@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import httpx
 
+from kvstrata.core.front_door import DoorRules
 from kvstrata.router.fleet import RouterConfig, build_fleet
 from kvstrata.router.proxy import create_router_app
 from tests.entrypoints.server_helpers import serving
@@ -14,13 +15,14 @@ from tests.entrypoints.server_helpers import serving
 
 @contextmanager
 def running_router(engines: list[str], tokenizer, policy: str = "kv_aware", wait_for: int | None = None,
-                   health_interval: float = 0.2, engine_api_key: str | None = None, **disaggregated):
+                   health_interval: float = 0.2, engine_api_key: str | None = None, api_key: str | None = None,
+                   door: DoorRules | None = None, **disaggregated):
     """Yield (base_url, fleet) once `wait_for` engines (default: all) are in. `disaggregated`: the
     RouterConfig's prefill and decode engines (and handoff_timeout), with `engines` empty."""
     config = RouterConfig(tuple(engines), policy, health_interval, request_timeout=60, engine_api_key=engine_api_key,
-                          **disaggregated)
+                          api_key=api_key, **disaggregated)
     fleet = build_fleet(config, tokenizer)
-    with serving(create_router_app(fleet), ready="/metrics") as base:
+    with serving(create_router_app(fleet, door), ready="/metrics") as base:
         wanted = len(config.all_engines) if wait_for is None else wait_for
         deadline = time.monotonic() + 30
         while sum(view.available for view in fleet.views) < wanted:

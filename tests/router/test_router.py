@@ -10,6 +10,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from kvstrata.core.front_door import DoorRules
 from kvstrata.router.forwarding import ENGINE_HEADER
 from tests.entrypoints.server_helpers import running_server, scrape, serving
 from tests.router.router_helpers import chat, fake_engine, running_router
@@ -202,6 +203,24 @@ def test_router_health_models_keys_and_refusals(smollm2):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
         good = httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, headers=key)
         assert good.status_code == 200 and good.headers[ENGINE_HEADER] == live
+
+
+def test_a_router_with_its_own_key_keys_every_route_and_gives_the_engines_theirs(smollm2):
+    """`kvstrata router --api-key`: every route but /health needs the router's key, checked before the
+    body is read; the engines get --engine-api-key, never the client's; a body over the limit is 413."""
+    mine, engines = {"authorization": "Bearer door"}, "Bearer k"
+    with running_server(smollm2, api_key="k") as (live, _), \
+            running_router([live], smollm2.tokenizer, engine_api_key="k", api_key="door",
+                           door=DoorRules.of("door", False, 4096, 5.0)) as (base, _):
+        assert httpx.get(f"{base}/health").status_code == 200
+        for path in ("/metrics", "/v1/models", "/v1/timelines"):
+            assert httpx.get(f"{base}{path}").status_code == 401, path
+            assert httpx.get(f"{base}{path}", headers={"authorization": engines}).status_code == 401, path
+        good = httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, headers=mine)
+        assert good.status_code == 200 and good.headers[ENGINE_HEADER] == live
+        assert httpx.get(f"{base}/v1/models", headers=mine).status_code == 200
+        big = httpx.post(f"{base}/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 2}, headers=mine)
+        assert big.status_code == 413
 
 
 def test_a_stream_that_breaks_ends_with_an_error_event_and_a_refusing_engine_is_skipped(smollm2):
