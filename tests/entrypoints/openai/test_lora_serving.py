@@ -72,7 +72,7 @@ def test_load_and_unload_at_run_time(server, lora_adapters, tmp_path):
 
 
 @pytest.mark.parametrize("body, status, words", [
-    ({"lora_name": "x", "lora_path": "/nowhere"}, 400, "no adapter folder"),
+    ({"lora_name": "x", "lora_path": "/nowhere"}, 400, "cannot open adapter_config.json"),
     ({"lora_name": MODEL, "lora_path": "/nowhere"}, 400, "base model"),
     ({"lora_name": "x"}, 400, "lora_path"),
 ])
