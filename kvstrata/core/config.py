@@ -28,6 +28,7 @@ DISAGGREGATION_MODES = ("both", "prefill", "decode")
 ALLOCATORS = ("auto", "jemalloc", "glibc")
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"     # vLLM's switch for loading adapters at run time
 SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -310,10 +311,25 @@ class LoRAConfig:
                              "no request in flight is dropped and read again from disk when asked for; a "
                              "request whose adapter finds every slot busy waits, it is not refused")
     max_lora_rank: int = _opt(64, "the highest adapter rank accepted (a higher one is refused when loaded)")
+    allow_runtime_lora_updating: bool = _opt(False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                                    "(with --enable-lora; so does VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                                                    "or true, as in vLLM); without it both are 404. Any client can "
+                                                    "then make the server read a folder: confine them with "
+                                                    "--lora-root")
+    lora_root: tuple[str, ...] = _opt((), "folders an adapter loaded at run time must lie beneath once symlinks "
+                                          "are resolved, one or more (the flag may repeat; default: anywhere the "
+                                          "server can read); --lora-modules are the operator's own and not held "
+                                          "to them")
 
     @property
     def enabled(self) -> bool:
         return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def runtime_updating(self) -> bool:
+        """Whether clients may load and unload adapters: --allow-runtime-lora-updating or vLLM's variable."""
+        allowed = os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+        return self.enabled and (self.allow_runtime_lora_updating or allowed)
 
     def modules(self) -> dict[str, str]:
         """--lora-modules as name -> path; ValueError naming a malformed or repeated entry."""
@@ -329,6 +345,10 @@ class LoRAConfig:
         self.modules()
         _require(self.max_loras >= 1, "max_loras must be at least 1")
         _require(1 <= self.max_lora_rank <= 1024, "max_lora_rank must be in [1, 1024]")
+        _require(self.enabled or not self.allow_runtime_lora_updating,
+                 "--allow-runtime-lora-updating needs --enable-lora")
+        for root in self.lora_root:
+            _require(os.path.isdir(root), f"--lora-root {root!r} is not a folder")
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 The engine thread is the only owner of the engine's state (scheduler, tiers, pools, tokenizer).
 Callers reach it only through its command queue (add, abort, `call`), and read only what it publishes
 once per step: `snapshot` (kvstrata.engine.snapshots) and, when asked for, the KV-event log
-(kvstrata.engine.kv_events); `adapters` (the LoRA adapters served) after each change. `info` and `prompts` (a tokenizer of the callers' own) are set once,
-when the engine is built.
+(kvstrata.engine.kv_events); `adapters` (the LoRA adapters served) after each change. `info`, `prompts` (a
+tokenizer of the callers' own) and `adapter_reader` are set once, when the engine is built.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from typing import TypeVar
 from kvstrata.core.hashing import BlockHash
 from kvstrata.core.outputs import RequestOutput
 from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.engine.adapters import AdapterReader
 from kvstrata.engine.commands import Abort, AbortAll, AddRequest, Call, Command
 from kvstrata.engine.heap_trim import HeapTrimmer
 from kvstrata.engine.kv_events import EngineLoad, KVEventLog, KVEventRecorder
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import Prompt, PromptEncoder, Tokenized
 from kvstrata.engine.snapshots import EngineInfo, EngineSnapshot
+from kvstrata.model.adapters.lora import LoRAWeights
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ class AsyncLLMEngine:
         self.kv_events: KVEventLog | None = None
         self.adapters: Mapping[str, str] = {}           # the LoRA adapters served: name -> folder
         self.adapter_roots: Mapping[str, BlockHash] = {}   # and the root of their requests' block hashes
+        self.adapter_reader: AdapterReader | None = None   # reads an adapter on any thread (read_adapter)
+        self._adapter_reads = asyncio.Lock()                # one at a time: each holds a whole adapter in memory
         self._in_flight = 0                              # generate() calls not yet ended, counted by the callers
         self._in_flight_lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -140,14 +144,20 @@ class AsyncLLMEngine:
         self._send(Abort(request_id))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps (loading an adapter, say); its result, or
-        what it raised."""
+        """Run `fn(engine)` on the engine thread between steps (installing an adapter read elsewhere, say); its
+        result, or what it raised."""
         if self.error is not None or self._stop.is_set():
             raise RuntimeError("the engine is not running")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         self._send(Call(fn, done, loop))
         return await done
+
+    async def read_adapter(self, name: str, folder: str) -> LoRAWeights:
+        """The adapter a client named, read and checked in a thread of its own (beneath --lora-root), while
+        the engine goes on stepping; AdapterError if it cannot be served. `call` then installs it."""
+        async with self._adapter_reads:
+            return await asyncio.wrap_future(self.adapter_reader.start(name, folder, trusted=False))
 
     def _send(self, command: Command) -> None:
         self._commands.put(command)
@@ -211,6 +221,7 @@ class AsyncLLMEngine:
             self.kv_events = KVEventLog(engine.config.cache.block_size, engine.hasher.root, self._recorder.held,
                                         self._kv_events_kept)
         self.prompts = engine.prompts.copy()
+        self.adapter_reader = engine.adapters.reader
         self._publish_adapters()
         self._publish()
         self.info = engine.info          # last: start() takes it as the sign that the engine is built

@@ -46,7 +46,8 @@ class AbortAll:
 
 @dataclass(frozen=True)
 class Call:
-    """Run `fn(engine)` between steps (loading an adapter, say); its result or error settles `done` on `loop`."""
+    """Run `fn(engine)` between steps (installing an adapter read elsewhere, say); its result or error settles
+    `done` on `loop`."""
 
     fn: Callable
     done: asyncio.Future

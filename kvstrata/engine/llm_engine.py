@@ -112,7 +112,8 @@ class LLMEngine:
         the output is expected to be) is where its speculative drafts come from. `hand_off`: write
         the prompt's full blocks to the store for a decode engine before the last output goes out
         (see HandOff); needs a store and n == 1. `lora`: the name of a LoRA adapter to run under (None
-        or the base model's name: none); a request waits, holding nothing, while every adapter slot is busy.
+        or the base model's name: none); a request waits, holding nothing, while every adapter slot is busy
+        or its adapter is read again from disk (off this thread).
         """
         params = params or SamplingParams()
         if isinstance(prompt, Tokenized):
@@ -201,7 +202,8 @@ class LLMEngine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.loaded.name, self.config.scheduler.max_model_len, self.loaded.arch.vocab_size,
-                          self.config.cache.block_size, self.hasher.root, MappingProxyType(self.loaded.runs()))
+                          self.config.cache.block_size, self.hasher.root, MappingProxyType(self.loaded.runs()),
+                          self.config.lora.runtime_updating)
 
     def snapshot(self) -> EngineSnapshot:
         """The engine as of now, copied, for other threads (see kvstrata.engine.snapshots). Engine thread only."""
@@ -242,8 +244,9 @@ class LLMEngine:
             output = self.scheduler.schedule(self.step_cost.limiter(self.config.scheduler),
                                              self.step_cost.draft_break_even)
             self.stats.schedule_seconds += time.perf_counter() - started
-            if output.is_empty:
-                self.tiers.wait_for_transfers(timeout=0.005)    # only transfers are running: do not spin
+            if output.is_empty:         # only transfers or adapter reads are running: do not spin
+                self.tiers.wait_for_transfers(timeout=0.005)
+                self.adapters.wait_for_reads(timeout=0.005)
             if self.faults is not None and not output.is_empty:
                 self.faults.check("execute")
             executed = time.perf_counter()

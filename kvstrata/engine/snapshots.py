@@ -34,6 +34,7 @@ class EngineInfo:
     block_size: int
     hash_root: BlockHash
     runs: Mapping[str, str]     # what the model runs: its weight format, dtype and step path (/v1/models says it)
+    runtime_lora_updating: bool = False    # whether clients may load and unload LoRA adapters (LoRAConfig)
 
 
 # Step durations, in seconds: `kvstrata_step_duration_seconds` (a decode of the default model on 2 cores

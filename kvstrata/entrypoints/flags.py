@@ -51,9 +51,10 @@ def add_section_flags(parser: argparse.ArgumentParser, title: str, section: type
         if hints[field.name] is bool:
             group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
                                default=field.default, help=_help_text(field))
-        elif typing.get_origin(hints[field.name]) is tuple:       # a list of values: --flag A B C
-            group.add_argument(flag, dest=field.name, nargs="+", default=field.default, metavar="NAME=PATH"
-                               if field.name == "lora_modules" else None, help=field.metadata.get("help", ""))
+        elif typing.get_origin(hints[field.name]) is tuple:       # a list of values: --flag A B C (--flag D)
+            group.add_argument(flag, dest=field.name, nargs="+", action="extend", default=list(field.default),
+                               metavar={"lora_modules": "NAME=PATH", "lora_root": "DIR"}.get(field.name),
+                               help=field.metadata.get("help", ""))
         else:
             group.add_argument(flag, dest=field.name, type=_flag_type(field, hints[field.name]),
                                default=field.default, choices=field.metadata.get("choices"),

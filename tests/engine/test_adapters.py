@@ -4,6 +4,8 @@ fail leaving nothing behind. Every step is audited (blocks and adapter slots).""
 
 import hashlib
 import shutil
+import threading
+import time
 
 import pytest
 
@@ -21,6 +23,23 @@ def engine(smollm2, adapters: dict, **options):
     options = dict(dict(block_size=16, num_device_blocks=64, kv_cache_memory="64MiB",
                         lora_modules=tuple(f"{name}={path}" for name, path in adapters.items())), **options)
     return LLMEngine(EngineConfig.from_options(audit_every_step=True, **options), loaded=smollm2)
+
+
+def steps_until_done(e, seconds: float = 30.0):
+    """Yield until the engine has nothing unfinished (a step waits a few ms for an adapter being read)."""
+    deadline = time.monotonic() + seconds
+    while e.has_unfinished:
+        assert time.monotonic() < deadline, "the engine did not finish"
+        yield
+
+
+def admitted(e, request):
+    """Step until `request`'s adapter has been read again and the request holds its slot."""
+    deadline = time.monotonic() + 30
+    while request in e.adapters.parked:
+        assert time.monotonic() < deadline, "the adapter was never read"
+        e.step()
+    return request
 
 
 def at_rest(e):
@@ -74,12 +93,13 @@ def test_a_request_waits_for_a_busy_adapter_slot_and_is_not_refused(smollm2, lor
     e = engine(smollm2, {name: lora_adapters[name] for name in names}, max_loras=1)
     loads = e.adapters.loads
     requests = [e.add_request(PROMPT, GREEDY, lora=name) for name in names] + [e.add_request(PROMPT, GREEDY)]
-    assert [r in e.adapters.parked for r in requests] == [False, True, True, False]
+    # alpha waits too: gamma, registered last, holds the one slot, so alpha is read again (off this thread)
+    assert [r in e.adapters.parked for r in requests] == [True, True, True, False]
     outputs = {}
     while e.has_unfinished:
         for out in e.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            assert len(e.adapters.resident) == 1
+            assert len(e.adapters.resident) + len(e.adapters.reading) == 1      # a read holds the slot
     assert [outputs[r.request_id] for r in requests[:3]] == [alone[name] for name in names]
     assert e.adapters.loads - loads == 3            # each read again from disk once (gamma, registered last, was in)
     at_rest(e)
@@ -87,7 +107,7 @@ def test_a_request_waits_for_a_busy_adapter_slot_and_is_not_refused(smollm2, lor
 
 def test_aborting_a_parked_request_ends_it_holding_nothing(smollm2, lora_adapters):
     e = engine(smollm2, {n: lora_adapters[n] for n in ("alpha", "gamma")}, max_loras=1)
-    running = e.add_request(PROMPT, GREEDY, lora="alpha")
+    running = admitted(e, e.add_request(PROMPT, GREEDY, lora="alpha"))
     parked = e.add_request(PROMPT, SamplingParams(n=2, max_tokens=4), request_id="waiting", lora="gamma")
     assert parked in e.adapters.parked
     finals = e.abort("waiting")
@@ -100,12 +120,12 @@ def test_an_adapter_whose_files_changed_while_dropped_ends_its_request_with_an_e
     folder = tmp_path / "changing"
     shutil.copytree(lora_adapters["gamma"], folder)
     e = engine(smollm2, {"changing": folder, "alpha": lora_adapters["alpha"]}, max_loras=1)
-    e.add_request(PROMPT, GREEDY, lora="alpha")                       # holds the one slot
+    admitted(e, e.add_request(PROMPT, GREEDY, lora="alpha"))          # holds the one slot
     waiting = e.add_request(PROMPT, GREEDY, lora="changing")
     assert waiting in e.adapters.parked
     shutil.rmtree(folder)
     shutil.copytree(lora_adapters["beta"], folder)                   # other weights under the same path
-    outputs = [out for _ in range(40) if e.has_unfinished for out in e.step()]
+    outputs = [out for _ in steps_until_done(e) for out in e.step()]
     ended = [out for out in outputs if out.request_id == waiting.request_id]
     assert [(out.finish_reason, out.new_token_ids) for out in ended] == [("error", [])]
     at_rest(e)
@@ -175,3 +195,39 @@ def test_speculation_and_structured_output_run_under_an_adapter(smollm2, lora_ad
                                                     structured=GrammarSpec("regex", regex)), lora="alpha")[0]
     assert shaped.finish_reason == "stop" and re.fullmatch(regex, shaped.text)
     at_rest(spec)
+
+
+def test_a_dropped_adapter_is_read_again_off_the_stepping_thread(smollm2, lora_adapters, monkeypatch):
+    from kvstrata.engine import adapters as engine_adapters
+
+    readers = []
+    real = engine_adapters.load_adapter
+    monkeypatch.setattr(engine_adapters, "load_adapter", lambda *args: readers.append(threading.current_thread())
+                        or real(*args))
+    e = engine(smollm2, {n: lora_adapters[n] for n in ("alpha", "gamma")}, max_loras=1)
+    assert readers == [threading.current_thread()] * 2        # --lora-modules: read where the engine is built
+    request = e.add_request(PROMPT, GREEDY, lora="alpha")      # gamma holds the slot: alpha is read again
+    assert request in e.adapters.parked and len(readers) == 3 and readers[2] is not threading.current_thread()
+    admitted(e, request)
+    outputs = [out for _ in steps_until_done(e) for out in e.step()]
+    assert outputs[-1].finish_reason == "length"
+    at_rest(e)
+
+
+def test_a_runtime_adapter_read_again_must_still_lie_beneath_the_root(smollm2, lora_adapters, tmp_path):
+    """A link swapped after the load is checked when the adapter is read again: the same bytes outside the
+    root are still refused, and the request waiting for them ends with an error."""
+    root = tmp_path / "root"
+    shutil.copytree(lora_adapters["gamma"], root / "gamma")
+    (root / "current").symlink_to(root / "gamma")
+    e = engine(smollm2, {"alpha": lora_adapters["alpha"]}, max_loras=1, lora_root=(str(root),))
+    folder = str(root / "current")
+    e.adapters.install("swap", folder, e.adapters.reader.read("swap", folder, trusted=False), trusted=False)
+    admitted(e, e.add_request(PROMPT, GREEDY, lora="alpha"))          # swap dropped: alpha holds the slot
+    (root / "current").unlink()
+    (root / "current").symlink_to(lora_adapters["gamma"])             # the same files, outside the root
+    waiting = e.add_request(PROMPT, GREEDY, lora="swap")
+    outputs = [out for _ in steps_until_done(e) for out in e.step()]
+    ended = [(o.finish_reason, o.new_token_ids) for o in outputs if o.request_id == waiting.request_id]
+    assert ended == [("error", [])]
+    at_rest(e)

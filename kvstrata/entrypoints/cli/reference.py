@@ -52,9 +52,12 @@ ENDPOINTS: dict[str, str] = {
                   "cache dtype, a step's path and the ISA level of kvstrata's kernels), then each LoRA adapter served "
                   "(its folder as `root`, the model as `parent`)",
     "/v1/models/{model_id:path}": "the served model or an adapter by name; any other name is 404",
-    "/v1/load_lora_adapter": "vLLM's: serve the PEFT adapter at `lora_path` as `lora_name` (with --enable-lora); "
-                             "read and checked first, so a bad one is a 400 and changes nothing",
-    "/v1/unload_lora_adapter": "vLLM's: stop serving an adapter (its requests in flight finish); 404 if unknown",
+    "/v1/load_lora_adapter": "vLLM's: serve the PEFT adapter at `lora_path` as `lora_name` (only with --enable-lora "
+                             "--allow-runtime-lora-updating, else 404; beneath a --lora-root when given); read and "
+                             "checked first, off the engine thread: any path it cannot serve is one 400, \"cannot load "
+                             "a LoRA adapter from this path\", and changes nothing",
+    "/v1/unload_lora_adapter": "vLLM's: stop serving an adapter (its requests in flight finish); 404 if unknown "
+                               "(only with --allow-runtime-lora-updating, else 404 whatever the body)",
     "/tokenize": "vLLM's: the token ids a completion or chat request would see",
     "/detokenize": "vLLM's: token ids back to text",
     "/version": "kvstrata's version",
@@ -75,7 +78,8 @@ ENDPOINTS: dict[str, str] = {
 FIELDS: dict[str, str] = {
     "model": "the served model's name, or a LoRA adapter's to run under it; another is 404 (`model_not_found`)",
     "lora_name": "the name requests give as `model` to run under the adapter",
-    "lora_path": "a PEFT folder on the server: adapter_config.json + adapter_model.safetensors",
+    "lora_path": "a PEFT folder on the server: adapter_config.json + adapter_model.safetensors, beneath a "
+                 "--lora-root once symlinks are resolved",
     "load_inplace": "replace the weights of an adapter already loaded under this name (its new requests never "
                     "reach blocks cached under the old weights)",
     "max_tokens": "most tokens to generate; chat without it: until the model stops or the context ends, "

@@ -66,7 +66,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, server: ServerConfig | N
         app.add_middleware(CORSMiddleware, allow_origins=list(server.origins), allow_methods=["*"],
                            allow_headers=["*"])
     app.include_router(router)
-    app.include_router(adapter_router)
+    if info.runtime_lora_updating:      # else no such routes, as in vLLM: 404 whatever the body
+        app.include_router(adapter_router)
     app.include_router(responses_router())
     return app
 

@@ -17,34 +17,29 @@ the kernel a second time in tiles of 16 columns that it reads in one stream.
 
 The adapter's `digest` is the sha256 of its two files' bytes: what salts its requests' block hashes
 (kvstrata.core.hashing), so cached KV follows what was computed, never the name it was loaded under.
+The files are read by files.py, which judges their sizes and the tensors' declared shapes (here,
+`_check_tensors`) before it reads their data: a path a client names is never trusted.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvstrata.model.adapters.files import WIDEST, AdapterError, TensorSpec, read_adapter_files
 from kvstrata.model.arch import ModelArch
 from kvstrata.model.arch import tensors as names
 from kvstrata.model.kernels import LoRAApply, face
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-
 _TARGETS = names.MODULES           # HF module name -> (our fused projection, which part of it)
 PROJECTIONS = names.PROJECTIONS    # the decoder's fused projections, in the kernel table's order
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served here; the message names the problem (a 4xx for a client)."""
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclass(frozen=True)
@@ -98,74 +93,69 @@ class LoRAWeights:
         return table
 
 
-def adapter_digest(folder: Path) -> str:
-    """sha256 over the config's and the weights' bytes: equal digests, equal adapters."""
-    digest = hashlib.sha256()
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        data = (folder / name).read_bytes()
-        digest.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
-    return digest.hexdigest()
+def max_adapter_bytes(arch: ModelArch, max_rank: int) -> int:
+    """The most data an adapter of this model can hold: rank `max_rank` on all seven targets of every
+    layer, at the widest dtype. A weights file larger than this (its header aside) is refused unread."""
+    per_rank = sum(sum(_out_sizes(arch)[fused]) + arch.projection_shapes()[fused][1] * len(_out_sizes(arch)[fused])
+                   for fused in PROJECTIONS)
+    return arch.num_layers * per_rank * max_rank * WIDEST
 
 
-def _read_config(folder: Path) -> dict:
-    if not folder.is_dir():
-        raise AdapterError(f"no adapter folder at {folder}")
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / name).is_file():
-            raise AdapterError(f"the adapter folder {folder} has no {name} (PEFT's save_pretrained writes both)")
-    try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{folder / CONFIG_FILE} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{folder} is not a LoRA adapter (peft_type {config.get('peft_type')!r})")
+def _check_config(config: dict) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError("it is not a LoRA adapter (its peft_type)")
     unsupported = [k for k in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern") if config.get(k)]
     if config.get("bias", "none") != "none":
         unsupported.append("bias")
     if unsupported:
-        raise AdapterError(f"the adapter at {folder} uses {', '.join(unsupported)}, which kvstrata does not serve")
-    if not isinstance(config.get("r"), int) or config["r"] < 1:
-        raise AdapterError(f"the adapter at {folder} has no positive integer rank r")
-    return config
+        raise AdapterError(f"it uses {', '.join(unsupported)}, which kvstrata does not serve")
+    if type(config.get("r")) is not int or config["r"] < 1:
+        raise AdapterError("it has no positive integer rank r")
+    alpha = config.get("lora_alpha", 1)
+    if type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise AdapterError("its lora_alpha is not a finite number")
+
+
+def _check_tensors(arch: ModelArch, max_rank: int, specs: dict[str, TensorSpec]) -> None:
+    """Each declared tensor a lora_A (r, in) or lora_B (out, r) of a target kvstrata applies, in a layer
+    the model has, with 1 <= r <= max_rank: judged from the header, before any data is read."""
+    if not specs:
+        raise AdapterError("it holds no LoRA weights")
+    outs = _out_sizes(arch)
+    for key, spec in specs.items():
+        match = _KEY.match(key)
+        if match is None or match[3] not in _TARGETS:
+            raise AdapterError("it has a tensor kvstrata cannot apply (it serves q/k/v/o_proj and gate/up/down_proj "
+                               "of the decoder layers)")
+        if int(match[1]) >= arch.num_layers:
+            raise AdapterError(f"it has a tensor of a layer this model does not have ({arch.num_layers} layers)")
+        fused, index = _TARGETS[match[3]]
+        rank = (spec.shape[0] if match[4] == "A" else spec.shape[-1]) if len(spec.shape) == 2 else 0
+        expected = (rank, arch.projection_shapes()[fused][1]) if match[4] == "A" else (outs[fused][index], rank)
+        if spec.shape != expected or rank < 1:
+            raise AdapterError(f"its {match[3]} lora_{match[4]} {spec.shape} does not fit this model")
+        if rank > max_rank:
+            raise AdapterError(f"it has rank {rank}, over --max-lora-rank {max_rank}")
 
 
 def load_adapter(name: str, folder: str | Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
-                 max_rank: int) -> LoRAWeights:
-    """Read, check and fuse a PEFT adapter for this model; AdapterError (nothing kept) if it cannot be served."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    config = _read_config(folder)
-    try:
-        digest = adapter_digest(folder)
-    except OSError as exc:             # removed or unreadable since checked: a refusal, never an engine error
-        raise AdapterError(f"cannot read the adapter at {folder}: {exc}") from exc
-    try:
-        tensors = load_file(folder / WEIGHTS_FILE)
-    except (SafetensorError, OSError) as exc:
-        raise AdapterError(f"cannot read {folder / WEIGHTS_FILE}: {exc}") from exc
+                 max_rank: int, roots: Sequence[str] = ()) -> LoRAWeights:
+    """Read, check and fuse a PEFT adapter for this model (its files beneath one of `roots`, when any; see
+    files.py); AdapterError (nothing kept) if it cannot be served."""
+    files = read_adapter_files(folder, roots, max_adapter_bytes(arch, max_rank),
+                               lambda config, specs: (_check_config(config), _check_tensors(arch, max_rank, specs)))
+    config = files.config
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    for key, tensor in files.tensors.items():
         match = _KEY.match(key)
-        if match is None or match[3] not in _TARGETS:
-            raise AdapterError(f"the adapter at {folder} has a tensor kvstrata cannot apply: {key!r} (it serves "
-                               f"q/k/v/o_proj and gate/up/down_proj of the decoder layers)")
-        layer = int(match[1])
-        if layer >= arch.num_layers:
-            raise AdapterError(f"{key!r}: the model has {arch.num_layers} layers")
-        parts.setdefault((layer, match[3]), {})[match[4]] = tensor
-    if not parts:
-        raise AdapterError(f"the adapter at {folder} holds no LoRA weights")
+        parts.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
     rank = max(t.shape[0] for p in parts.values() for side, t in p.items() if side == "A")
-    if rank > max_rank:
-        raise AdapterError(f"the adapter at {folder} has rank {rank}, over --max-lora-rank {max_rank}")
     assert 3 * max_rank <= LoRAApply.MAX_FUSED_RANK, "the kernel's scratch row holds 3 x 1024 ranks"
     scale_of = (lambda r: config.get("lora_alpha", r) / math.sqrt(r)) if config.get("use_rslora") else \
         (lambda r: config.get("lora_alpha", r) / r)
     layers = tuple(_fused_layer(arch, {m: parts[(i, m)] for (j, m) in parts if j == i}, scale_of, dtype, device)
                    for i in range(arch.num_layers))
-    return LoRAWeights(name, digest, rank, layers)
+    return LoRAWeights(name, files.digest, rank, layers)
 
 
 def _out_sizes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
@@ -188,11 +178,10 @@ def _fused_layer(arch: ModelArch, modules: dict[str, dict[str, torch.Tensor]], s
             pair = modules[module]
             if set(pair) != {"A", "B"}:
                 raise AdapterError(f"{module}: the adapter has lora_{'A' if 'A' not in pair else 'B'} missing")
-            a, b = pair["A"].float(), pair["B"].float()
+            a, b = pair["A"].float(), pair["B"].float()     # their shapes fit the model (_check_tensors)
             r = a.shape[0]
-            if a.shape != (r, arch.projection_shapes()[fused][1]) or b.shape != (sizes[index], r):
-                raise AdapterError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
-                                   f"this model (expected ({r}, {arch.projection_shapes()[fused][1]}) and ({sizes[index]}, {r}))")
+            if b.shape[1] != r:
+                raise AdapterError(f"{module}: its lora_A has rank {r}, its lora_B {b.shape[1]}")
             a_rows.append(a)
             b_blocks.append((index, b * scale_of(r)))
         total = sum(a.shape[0] for a in a_rows)

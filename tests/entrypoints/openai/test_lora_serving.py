@@ -1,6 +1,7 @@
 """LoRA adapters over HTTP, as vLLM serves them: `model` picks an adapter, /v1/models lists them with
-their base as parent, /v1/load_lora_adapter and /v1/unload_lora_adapter at run time; a bad adapter or
-name is a 4xx naming the problem, and nothing is held after."""
+their base as parent, /v1/load_lora_adapter and /v1/unload_lora_adapter at run time (with
+--allow-runtime-lora-updating); a bad name is a 4xx naming the problem, a bad path one fixed 400
+(test_lora_hostile.py), and nothing is held after."""
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ PROMPT = "Rivers, castles and vineyards shaped the Loire valley over many centur
 @pytest.fixture(scope="module")
 def server(smollm2, lora_adapters):
     with running_server(smollm2, num_device_blocks=128, block_size=16, lora_modules=(f"alpha={lora_adapters['alpha']}",),
-                        max_loras=2) as (base, engine):
+                        max_loras=2, allow_runtime_lora_updating=True) as (base, engine):
         yield base, engine
 
 
@@ -72,7 +73,7 @@ def test_load_and_unload_at_run_time(server, lora_adapters, tmp_path):
 
 
 @pytest.mark.parametrize("body, status, words", [
-    ({"lora_name": "x", "lora_path": "/nowhere"}, 400, "no adapter folder"),
+    ({"lora_name": "x", "lora_path": "/nowhere"}, 400, "cannot load a LoRA adapter from this path"),
     ({"lora_name": MODEL, "lora_path": "/nowhere"}, 400, "base model"),
     ({"lora_name": "x"}, 400, "lora_path"),
 ])
