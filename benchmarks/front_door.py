@@ -60,18 +60,18 @@ async def _probe(http: httpx.AsyncClient, path: str, body: dict | None, raw: byt
         answers = await asyncio.gather(*(http.post("/v1/completions", json=stream) for _ in range(40)))
         return "/".join(f"{sum(a.status_code == s for a in answers)}x{s}" for s in (200, 503))
     if path == "stall":
-        return str(await asyncio.to_thread(_stalled_body, http.base_url.port))
-    if raw is not None:
-        reply = await http.post(path, content=raw, headers={"content-type": "application/json"})
-    else:
-        reply = await http.post(path, json=body)
+        return str(await asyncio.to_thread(_raw, http.base_url.port, "/v1/completions", 1000, b'{"prompt": '))
+    if raw is not None:         # sent as a client would until the server answers (it refuses without reading)
+        return str(await asyncio.to_thread(_raw, http.base_url.port, path, len(raw), raw[:1 << 16]))
+    reply = await http.post(path, json=body)
     return str(reply.status_code)
 
 
-def _stalled_body(port: int) -> int:
+def _raw(port: int, path: str, length: int, start: bytes) -> int:
+    """The status a server answers to a body of `length` bytes of which only `start` is sent."""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: 1000\r\n\r\n{\"prompt\": ")
+        sock.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     f"content-length: {length}\r\n\r\n".encode() + start)
         return int(sock.recv(4096).split(b" ", 2)[1])
 
 
@@ -145,6 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
     parser.add_argument("--clients", type=int, default=4, help="ordinary clients, each one request at a time")
+    parser.add_argument("--skip", nargs="*", default=[], help="probes to leave out (words of their names)")
     args = parser.parse_args()
     print(f"machine: {machine()}")
     server = kvstrata("kvstrata", PORT, "--enable-lora", "--max-queue", "32")
@@ -154,7 +155,7 @@ def main() -> None:
             server.wait_ready()
             base = server.url
             max_model_len = httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"]
-            probes = _probes(max_model_len)
+            probes = [p for p in _probes(max_model_len) if not any(word in p[0] for word in args.skip)]
             asyncio.run(_phase(base, 5, args.clients, None))         # warm-up
             alone, _ = asyncio.run(_phase(base, args.seconds, args.clients, None))
             beside, outcomes = asyncio.run(_phase(base, args.seconds, args.clients, probes))

@@ -7,6 +7,8 @@ build-time facts in ServerState) and tokenize with the server's own tokenizer (`
 
 from __future__ import annotations
 
+import json
+
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -102,12 +104,18 @@ async def tokenize(request: Request, body: TokenizeRequest):
     param = "messages" if body.messages is not None else "prompt"
     prompt = ChatPrompt(tuple(chat_messages(body.messages))) if body.messages is not None else body.prompt
     state.intake.check_length(prompt, param)
+
+    def answer(encoder) -> bytes:
+        """The reply's bytes, made on the worker too: FastAPI's encoder would walk a long text's ids one by
+        one on the event loop."""
+        ids = encoder.encode(prompt) if body.messages is not None else \
+            encoder.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return json.dumps({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}).encode()
+
     try:
-        ids = await state.intake.run(lambda encoder: encoder.encode(prompt) if body.messages is not None else
-                                     encoder.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return Response(await state.intake.run(answer), media_type="application/json")
     except ValueError as exc:
         raise ApiError(400, str(exc), param=param) from exc
-    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
 
 def check_token_ids(state: ServerState, prompts: list[list[int]], param: str) -> None:
