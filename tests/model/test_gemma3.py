@@ -50,7 +50,7 @@ MIXED_5BIT = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output
 
 def test_greedy_outputs_at_its_bits_are_the_same_with_every_cache_feature_on_as_off(tmp_path):
     """Prompts eight windows long: prefix caching, a host tier and the disk store, preemption, a restart over the
-    store and speculative decoding, against none of them."""
+    store, a prefill/decode handoff through the store and speculative decoding, against none of them."""
     hf = save_tiny_hf_model(tmp_path / "hf", TINY_GEMMA3, seed=5)
     path = tmp_path / "Tiny-Gemma3.Q5_0.gguf"
     write_tiny_gguf(path, hf, MIXED_5BIT)
@@ -67,18 +67,37 @@ def test_greedy_outputs_at_its_bits_are_the_same_with_every_cache_feature_on_as_
         engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, block_size=4, **options), loaded=loaded)
         outs = engine.generate(prompts[:3], params) + engine.generate([filler], params)   # pushes them down
         outs += engine.generate(prompts[3:], params)
-        counts = {**engine.tiers.stats.hit_tokens, "accepted": sum(out.num_accepted_draft_tokens for out in outs)}
+        counts = {**engine.tiers.stats.hit_tokens, "accepted": sum(out.num_accepted_draft_tokens for out in outs),
+                  "preempted": engine.scheduler.num_preemptions}
         engine.close()
         return [out.new_token_ids for out in outs], counts
+
+    def handed_over() -> tuple[list[list[int]], int]:
+        """A prefill engine hands each prompt's blocks over through the store; a decode engine generates."""
+        options = {"audit_every_step": True, "block_size": 4, "num_device_blocks": 256, "store": "disk",
+                   "store_path": str(tmp_path / "handoff")}
+        prefill = LLMEngine(EngineConfig.from_options(write_policy="write_through", **options), loaded=loaded)
+        for index, prompt in enumerate(prompts):
+            prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), f"prefill-{index}", hand_off=True)
+        while prefill.has_unfinished:
+            prefill.step()
+        prefill.close()
+        decode = LLMEngine(EngineConfig.from_options(**options), loaded=loaded)
+        outs = decode.generate(prompts, params)
+        loaded_tokens = decode.tiers.stats.hit_tokens["store"]
+        decode.close()
+        return [out.new_token_ids for out in outs], loaded_tokens
 
     plain, plain_hits = run(num_device_blocks=256, enable_prefix_caching=False)
     cached, hits = run(num_device_blocks=32, num_host_blocks=64, store="disk", store_path=store)
     restarted, again = run(num_device_blocks=48, store="disk", store_path=store)
     drafted, accepted = run(num_device_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                  "prompt_lookup_max": 3, "prompt_lookup_min": 2})
+    decoded, handed = handed_over()
     assert sum(plain_hits.values()) == 0 and hits["host"] > 0 and again["store"] > 0, (hits, again)
-    assert accepted["accepted"] > 0, accepted
+    assert hits["preempted"] > 0 and accepted["accepted"] > 0 and handed > 0, (hits, accepted, handed)
     assert all(len(out) == 24 for out in plain) and cached == plain and restarted == plain and drafted == plain
+    assert decoded == plain[:3] + plain[4:]         # the filler is not handed over
 
 
 @pytest.mark.parametrize(("shape", "windows", "global_layers"), [
