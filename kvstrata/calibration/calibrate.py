@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kvstrata.calibration.engine_replay import (
     BLOCK_SIZE,
@@ -48,7 +49,7 @@ from kvstrata.calibration.engine_replay import (
     speed_probe,
     warm_up,
 )
-from kvstrata.calibration.fitted_on import slice_identity
+from kvstrata.calibration.fitted_on import engine_path, slice_identity
 from kvstrata.calibration.slices import SLICES, time_scale_for
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.machine import machine as current_machine
@@ -306,7 +307,8 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
                    store_link=store_link, record_link=record_link, decode_link=decode_link,
                    decode_in_place=recorder.runner.decodes_in_place,
                    machine={**current_machine().as_dict(), "dtype": str(engine.loaded.dtype).removeprefix("torch."),
-                            "model": engine.loaded.name},
+                            "model": engine.loaded.name,
+                            "path": engine_path(engine.loaded.runs(), torch.get_num_threads())},
                    source=(f"calibrated on {machine or current_machine().describe()}, {datetime.date.today().isoformat()}, model "
                            f"{engine.loaded.name} ({engine.loaded.dtype}, {threads or 'default'} threads), "
                            f"{len(shapes)} grid steps x {repeat} runs{' + trace slices ' + ','.join(slices) if slices else ''}"

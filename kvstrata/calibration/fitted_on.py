@@ -2,12 +2,16 @@
 
 A calibrated profile names the trace slices it was fitted on (`CostModel.fitted_on`: the trace's
 digest and the lines used); a validation slice that shares a request with them is refused: that
-would measure the fit, not the model.
+would measure the fit, not the model. It also names the path its engine ran (`machine["runs"]`:
+weight format, dtype, step path, the kernels' ISA level; `machine["threads"]`), and a validation
+whose engine runs another path is refused: a cost model fitted to one path does not carry to another
+(the Python loop's cost grows with operators, the fused layers' with bytes).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 
 from kvstrata.sim.cost_model import CostModel
@@ -48,3 +52,21 @@ def check_not_fitted_on(cost: CostModel, identity: dict) -> None:
             raise FittedOnError(f"the profile was fitted on {len(shared)} of this slice's {len(mine)} requests "
                                 f"({fitted['trace']}, slice {fitted.get('slice')!r}, lines {fitted['lines']}); "
                                 "a validation needs requests it never saw: pick another --skip or slice")
+
+
+def engine_path(runs: Mapping[str, str], threads: int) -> dict[str, str]:
+    """What a profile records of the path its engine ran, and what a validation's engine is held to."""
+    return {**runs, "threads": str(threads)}
+
+
+def check_same_path(cost: CostModel, path: Mapping[str, str]) -> None:
+    """Refuse a validation whose engine runs another path than the profile was calibrated on (profiles
+    calibrated before they recorded it are not checked)."""
+    recorded = (cost.machine or {}).get("path")
+    if recorded is None:
+        return
+    differ = [f"{key} {recorded.get(key)} there, {value} here" for key, value in path.items()
+              if recorded.get(key) != value]
+    if differ:
+        raise FittedOnError(f"the profile was calibrated on another path than this engine runs ({'; '.join(differ)}): "
+                            "calibrate with the flags the validation runs (--threads, --model) and validate again")

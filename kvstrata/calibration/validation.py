@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvstrata.calibration.engine_replay import loadavg, probe_now, replay_on_engine
-from kvstrata.calibration.fitted_on import check_not_fitted_on, slice_identity
+from kvstrata.calibration.fitted_on import check_not_fitted_on, check_same_path, engine_path, slice_identity
 from kvstrata.calibration.slices import Slice, time_scale_for
 from kvstrata.sim.batch_shape import BatchShape
 from kvstrata.sim.config import SimConfig
@@ -126,10 +126,13 @@ def validate(path: str | Path, slice_: Slice, cost: CostModel, threads: int | No
     if time_scales is None:
         time_scales = {name: time_scale_for(trace, cost, load, slice_.tokens_per_id)
                        for name, load in (loads or LOADS).items()}
+    import torch
+
     from kvstrata.core.config import ModelConfig
     from kvstrata.model.loader import load_model
 
     loaded = load_model(ModelConfig(threads=threads))        # one load for every engine of the validation
+    check_same_path(cost, engine_path(loaded.runs(), torch.get_num_threads()))
     levels = {}
     for name, scale in time_scales.items():
         logger.info("slice %s, %s: %d requests over %.0f s (time scale %.3g)", slice_.name, name, len(trace),

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from kvstrata.calibration.engine_replay import ShapeRecorder, TransferWaits, fault_in_kv
-from kvstrata.calibration.fitted_on import FittedOnError, check_not_fitted_on, slice_identity
+from kvstrata.calibration.fitted_on import (
+    FittedOnError,
+    check_not_fitted_on,
+    check_same_path,
+    engine_path,
+    slice_identity,
+)
 from kvstrata.calibration.slices import Slice, session_lines, spread_ties
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.machine import machine as current_machine
@@ -121,6 +127,26 @@ def test_validate_refuses_a_fitted_on_slice_before_starting_an_engine(tmp_path, 
     code = main(["simulate", "--validate", "--trace", str(path), "--profile", str(profile), "--skip", "5",
                  "--max-requests", "10"])
     assert code == 2 and "fitted on 5 of this slice's 10 requests" in capsys.readouterr().err
+
+
+def test_a_profile_is_held_to_the_path_its_engine_ran(tmp_path, capsys):
+    """Calibrate records weight format, dtype, step path, kernels and threads; a validation whose engine runs
+    another path is refused (one fitted to the Python loop does not time the fused layers), one that never
+    recorded its path is not checked."""
+    from kvstrata.entrypoints.cli.main import main
+
+    ran = engine_path({"quantization": "gguf", "dtype": "bfloat16", "step": "fused", "kernels": "avx512_bf16"}, 2)
+    recorded = _profile(machine={**current_machine().as_dict(), "dtype": "bfloat16", "path": ran})
+    check_same_path(recorded, ran)
+    check_same_path(_profile(), {**ran, "threads": "1"})
+    with pytest.raises(FittedOnError, match="step fused there, torch here; threads 2 there, 1 here"):
+        check_same_path(recorded, {**ran, "threads": "1", "step": "torch"})
+    path = _trace(tmp_path / "t.jsonl")
+    profile = tmp_path / "p.json"
+    _profile(machine={**current_machine().as_dict(), "dtype": "bfloat16", "path": {**ran, "threads": "7"}}).save(profile)
+    code = main(["simulate", "--validate", "--trace", str(path), "--profile", str(profile), "--skip", "5",
+                 "--max-requests", "10", "--threads", "1"])
+    assert code == 2 and "threads 7 there, 1 here" in capsys.readouterr().err
 
 
 def test_fitted_on_survives_the_profile_file(tmp_path):
