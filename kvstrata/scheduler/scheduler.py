@@ -13,11 +13,10 @@ One token budget per step, no separate prefill and decode phases:
 Preempted requests keep their full blocks CACHED, so resuming usually re-hits them, and they
 resume before any new request. A request that could never fit is refused at `add_request`.
 
-Speculative decoding: after every running request has its tokens and waiting ones are admitted (if nobody
-was preempted), decodes that speculate get up to `num_lookahead_tokens` draft tokens in the budget left, taken
-by the same all-or-nothing `grow()` (a draft never preempts, never delays a first token); `update` takes the
-accepted ones and gives back the rejected ones' slots. Families (n / best_of > 1): only the leader queues, the
-step that samples its first token forks the others. Both in docs/design/scheduler.md.
+Speculative decoding and families (docs/design/scheduler.md): once running requests have their tokens and waiting
+ones are admitted (nobody preempted), speculating decodes get up to `num_lookahead_tokens` drafts in the budget left,
+by the same all-or-nothing `grow()` (a draft never preempts); `update` frees rejected drafts' slots. Of a family
+(n / best_of > 1) only the leader queues; the step that samples its first token forks the others.
 """
 
 from __future__ import annotations

@@ -71,9 +71,6 @@ class Intake:
                 encoder = self._local.encoder = self._source.copy()
         return encoder
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 def _yield_to_steps() -> None:
     """A worker runs at a lower CPU priority (nice +10, this thread alone: Linux) than the engine's steps:
