@@ -284,10 +284,14 @@ class Calibration:
 
 def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = None, clock: str = "cpu",
               trace: str | Path | None = None, slices: tuple[str, ...] = (), store: str = "disk",
-              model: str | None = None, load_format: str = "auto") -> Calibration:
+              model: str | None = None, load_format: str = "auto",
+              deadline: Callable[[CostModel], float] | None = None) -> Calibration:
     """Fit a profile to `model` (default: the embedded one; `load_format` dummy: its real shape with random
     weights) on this machine: the grid, and `slices` of `trace` if named; the store link is `store`'s
-    (see `_store_link`)."""
+    (see `_store_link`). `threads` None is torch's choice, what `kvstrata serve` runs (the CLI's default,
+    timed by the wall clock: `engine_timing`). The grid runs
+    `repeat` passes, then more while the fit moves and a pass ends before `deadline(the fit so far)`
+    (a perf_counter time; None: exactly `repeat`)."""
     from kvstrata.engine.llm_engine import LLMEngine
 
     config = EngineConfig.from_options(model=model, load_format=load_format, block_size=BLOCK_SIZE, kv_cache_memory="512MiB", max_model_len=4096,
@@ -298,11 +302,11 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
     warm_up(engine)
-    shapes, seconds = _grid_medians(engine, recorder, CLOCKS[clock], repeat)
+    shapes, seconds, passes = _grid_medians(engine, recorder, CLOCKS[clock], repeat, deadline)
     spec = recorder.runner.spec
     host_link, record_link, decode_link, store_link = _transfer_links(engine, CLOCKS[clock], store)
     probe = speed_probe(engine, CLOCKS[clock])
-    fitted_on = [_grid_identity(len(shapes), repeat, probe)]
+    fitted_on = [_grid_identity(len(shapes), passes, probe, clock)]
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
                    store_link=store_link, record_link=record_link, decode_link=decode_link,
                    decode_in_place=recorder.runner.decodes_in_place,
@@ -310,8 +314,8 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
                             "model": engine.loaded.name,
                             "path": engine_path(engine.loaded.runs(), torch.get_num_threads())},
                    source=(f"calibrated on {machine or current_machine().describe()}, {datetime.date.today().isoformat()}, model "
-                           f"{engine.loaded.name} ({engine.loaded.dtype}, {threads or 'default'} threads), "
-                           f"{len(shapes)} grid steps x {repeat} runs{' + trace slices ' + ','.join(slices) if slices else ''}"
+                           f"{engine.loaded.name} ({engine.loaded.dtype}, {torch.get_num_threads()} threads), "
+                           f"{len(shapes)} grid steps x {passes} runs{' + trace slices ' + ','.join(slices) if slices else ''}"
                            f" timed by {CLOCK_NAMES[clock]}; store link: {_store_name(store)}"))
     loaded = engine.loaded
     engine.close()
@@ -320,19 +324,53 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     return Calibration(model, shapes, seconds)
 
 
-def _grid_medians(engine, recorder: ShapeRecorder, timer: Callable[[], float],
-                  repeat: int) -> tuple[list[BatchShape], list[float]]:
-    """`repeat` passes over the grid: its steps' shapes, and each step's median time."""
-    runs = [_grid_run(engine, recorder, timer, seed=run + 1) for run in range(repeat)]
-    shapes = [shape for shape, _ in runs[0]]
-    if any([shape for shape, _ in run] != shapes for run in runs):
-        raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
-    return shapes, [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
+def _grid_medians(engine, recorder: ShapeRecorder, timer: Callable[[], float], repeat: int,
+                  deadline: Callable[[CostModel], float] | None) -> tuple[list[BatchShape], list[float], int]:
+    """Passes over the grid until the fit settles: at least `repeat`, then more while the last pass moved
+    the fitted step times by more than SETTLED (`_moved`) and another ends before `deadline(the fit so
+    far)`; its steps' shapes, each step's median time, and the passes run. Noise is what more passes
+    average out: a step of one shape varies by 10% and more between passes."""
+    runs: list[list[tuple[BatchShape, float]]] = []
+    medians: list[float] | None = None
+    while True:
+        started = time.perf_counter()
+        runs.append(_grid_run(engine, recorder, timer, seed=len(runs) + 1))
+        shapes = [shape for shape, _ in runs[0]]
+        if [shape for shape, _ in runs[-1]] != shapes:
+            raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
+        previous, medians = medians, [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
+        pass_s = time.perf_counter() - started
+        moved = _moved(shapes, previous, medians)
+        logger.info("grid pass %d: %.0f s; the fit moved %s", len(runs), pass_s,
+                    "n/a" if moved is None else f"{moved:.2%} (p90 over the grid's steps)")
+        if len(runs) < repeat:
+            continue
+        if deadline is None or (moved is not None and moved <= SETTLED) or \
+                time.perf_counter() + pass_s > deadline(_fit_alone(shapes, medians, recorder.runner.decodes_in_place)):
+            return shapes, medians, len(runs)
 
 
-def _grid_identity(steps: int, repeat: int, probe: float) -> dict:
+SETTLED = 0.02       # a pass that moves the fitted step times by less than this (p90 over the grid) adds nothing
+
+
+def _moved(shapes: list[BatchShape], before: list[float] | None, after: list[float]) -> float | None:
+    """How far one more pass moved the fit: p90 over the grid's steps of |predicted after / before - 1|."""
+    if before is None:
+        return None
+    first, second = _fit_alone(shapes, before), _fit_alone(shapes, after)
+    changes = [abs(second.step_seconds(s) / first.step_seconds(s) - 1) for s in shapes]
+    return float(np.percentile(changes, 90))
+
+
+def _fit_alone(shapes: list[BatchShape], seconds: list[float], in_place: bool = True) -> CostModel:
+    """The step-time fit without the links (measured after the grid): for judging the fit mid-way."""
+    return fit(shapes, seconds, source="the grid so far", kv_bytes_per_token=0, host_link=Link(0.0, 1.0),
+               store_link=Link(0.0, 1.0), decode_in_place=in_place)
+
+
+def _grid_identity(steps: int, repeat: int, probe: float, clock: str) -> dict:
     """What `fitted_on` records of the grid, with the speed probe and the load average it ran beside."""
-    return {"kind": "grid", "steps": steps, "repeat": repeat, "probe_s": round(probe, 6),
+    return {"kind": "grid", "steps": steps, "repeat": repeat, "clock": clock, "probe_s": round(probe, 6),
             "loadavg": loadavg(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "prefill": {str(k): v for k, v in PREFILL_GRID.items()}, "bursts": BURSTS,
             "decode": {str(k): v for k, v in DECODE_GRID.items()},

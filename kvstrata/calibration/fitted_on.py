@@ -70,3 +70,12 @@ def check_same_path(cost: CostModel, path: Mapping[str, str]) -> None:
     if differ:
         raise FittedOnError(f"the profile was calibrated on another path than this engine runs ({'; '.join(differ)}): "
                             "calibrate with the flags the validation runs (--threads, --model) and validate again")
+
+
+def check_same_clock(cost: CostModel, clock: str) -> None:
+    """Refuse a validation timed by another clock than the profile's grid (profiles calibrated before they
+    recorded it are not checked): with several threads a step's CPU time and its wall time differ ~2x."""
+    recorded = next((f.get("clock") for f in cost.fitted_on if f.get("kind") == "grid"), None)
+    if recorded is not None and recorded != clock:
+        raise FittedOnError(f"the profile timed its steps by the {recorded} clock, this validation by the {clock} "
+                            f"clock: validate with --clock {recorded}")

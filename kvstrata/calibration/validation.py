@@ -15,11 +15,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvstrata.calibration.engine_replay import loadavg, probe_now, replay_on_engine
-from kvstrata.calibration.fitted_on import check_not_fitted_on, check_same_path, engine_path, slice_identity
+from kvstrata.calibration.fitted_on import (
+    check_not_fitted_on,
+    check_same_clock,
+    check_same_path,
+    engine_path,
+    slice_identity,
+)
 from kvstrata.calibration.slices import Slice, time_scale_for
 from kvstrata.sim.batch_shape import BatchShape
 from kvstrata.sim.config import SimConfig
@@ -51,6 +57,37 @@ def figures(report: dict) -> dict[str, float]:
     out.update({f"hit_rate_{tier}": report["hit_rate"][tier] for tier in (*TIERS, "total")})
     assert tuple(out) == FIGURES
     return out
+
+
+TIMING = FIGURES[:5]                  # the figures a profile predicts: the hit rates are the caches', not its
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How many of a validation's timing figures (TIMING at each load) the simulator got within
+    `tolerance` of the engine (the mean of its runs), and the worst one."""
+
+    within: int
+    total: int
+    tolerance: float
+    worst: tuple[str, str, float]                 # load, figure, relative error
+
+    def line(self) -> str:
+        load, name, error = self.worst
+        return (f"{self.within} of {self.total} timing figures within {self.tolerance:.0%} of the engine; "
+                f"the worst: {name} at {load}, {error:+.1%}")
+
+
+def verdict(report: dict, tolerance: float = 0.05) -> Verdict:
+    """`report` (from `validate`) summed up: each figure's error against the mean of the engine's runs."""
+    errors = []
+    for load, level in report["levels"].items():
+        for name in TIMING:
+            row = level["figures"][name]
+            engine = sum(row["engine"]) / len(row["engine"])
+            errors.append((load, name, row["simulator"] / engine - 1 if engine else math.inf))
+    worst = max(errors, key=lambda e: abs(e[2]))
+    return Verdict(sum(abs(e) <= tolerance for _, _, e in errors), len(errors), tolerance, worst)
 
 
 def step_kind(shape: BatchShape) -> str:
@@ -122,6 +159,7 @@ def validate(path: str | Path, slice_: Slice, cost: CostModel, threads: int | No
     trace, lines = slice_.load(path)
     identity = slice_identity(path, slice_.name, lines)
     check_not_fitted_on(cost, identity)
+    check_same_clock(cost, clock)
     config = slice_.sim_config(max_num_seqs)
     if time_scales is None:
         time_scales = {name: time_scale_for(trace, cost, load, slice_.tokens_per_id)

@@ -1,11 +1,16 @@
-"""`kvstrata calibrate`: fit the simulator's cost model to the real engine on this machine.
+"""`kvstrata calibrate`: fit the simulator's cost model to the real engine on this machine, then check it.
 
-    kvstrata calibrate                                                        fit a profile on this machine
+    kvstrata calibrate --trace T                                              fit a profile on this machine
                                                                               (benchmarks/profiles/, named by it)
-    kvstrata calibrate --trace T --fit-slices plain                           fit a slice too (then refused)
+                                                                              and validate it on T's plain slice
+    kvstrata calibrate --trace T --check-slices plain,sessions                 ... and with the host tier and store
+    kvstrata calibrate --trace T --fit-slices plain --check-slices sessions   fit a slice too (then refused)
     kvstrata calibrate --repeat 1 --store redis://127.0.0.1:6390/0 --output p.json     the store link of a Redis
     kvstrata calibrate --load-format dummy --model llama-3.2-1b                 a real shape (dummy weights)
 
+The engine it times is the one `kvstrata serve` runs: the same default dtype, weight format, step path
+and thread count (the profile records them, and `simulate --validate` refuses another path). The grid
+runs until the fit stops moving or the --budget would be passed, keeping the self-check's time.
 How the engine is run and timed (`add_engine_timing`) is shared with `kvstrata simulate --validate`,
 which must time it the same way.
 """
@@ -52,11 +57,24 @@ def profile_for_this_machine(model: str = DEFAULT_MODEL) -> Path | None:
 
 def add_engine_timing(group: argparse._ActionsContainer) -> None:
     """How the real engine is run and timed: `calibrate` and `simulate --validate` must agree on both."""
-    group.add_argument("--threads", type=int, default=1,
-                       help="torch CPU threads of the real engine (default 1: steady on a shared machine)")
-    group.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                       help="time engine steps by the engine thread's CPU time (default: neighbours on a shared "
-                            "machine do not count) or by wall time")
+    group.add_argument("--threads", type=int, default=None,
+                       help="torch CPU threads of the real engine (default: torch's choice, as `kvstrata serve` "
+                            "runs; the profile records it and a validation must run the same)")
+    group.add_argument("--clock", choices=("cpu", "wall"), default=None,
+                       help="time engine steps by the engine thread's CPU time (neighbours on a shared machine do "
+                            "not count) or by wall time (default: cpu with one thread, wall with more: one "
+                            "thread's CPU time misses the work of the others)")
+
+
+def engine_timing(args: argparse.Namespace) -> tuple[int | None, str]:
+    """--threads and --clock as the engine will run: the clock, when not named, by the thread count (with two
+    threads the engine thread's CPU time was half a step's wall time on a 2-core EPYC, so a profile timed
+    by it predicted half the latency the server has)."""
+    if args.clock is not None:
+        return args.threads, args.clock
+    import torch
+
+    return args.threads, "cpu" if (args.threads or torch.get_num_threads()) == 1 else "wall"
 
 
 def add_calibrate(commands: argparse._SubParsersAction) -> None:
@@ -67,12 +85,19 @@ def add_calibrate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--machine", default=None, help="how to name this machine in the profile "
                                                         "(default: CPU model and core count)")
     add_engine_timing(parser)
-    parser.add_argument("--repeat", type=int, default=3, help="runs of the grid; each step keeps its median time")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of the grid at least; each step keeps its median "
+                                                              "time, and more runs follow while the fit still moves")
+    parser.add_argument("--budget", type=float, default=15.0, help="minutes the whole calibration may take, its "
+                        "self-check included: no grid run starts that would pass it (at least --repeat run)")
+    parser.add_argument("--check-slices", default="plain", help="comma-separated slices of --trace (plain, sessions: "
+                        "the host tier and a disk store on) to validate the fresh profile on at three loads; "
+                        "empty: no self-check")
     parser.add_argument("--store", default="disk", help="the store whose loads the profile's store link times: "
                                                         "disk (a disk store in the temp folder) or a running "
                                                         "store's URL, e.g. redis://127.0.0.1:6390/0 (the store "
                                                         "disaggregated engines hand KV over through)")
-    parser.add_argument("--trace", type=Path, default=None, help="a Mooncake trace to fit --fit-slices of")
+    parser.add_argument("--trace", type=Path, default=None, help="a Mooncake trace to check the profile on "
+                                                                 "(--check-slices) and to fit --fit-slices of")
     parser.add_argument("--fit-slices", default="", help="comma-separated validation slices (plain, sessions) to "
                                                          "replay and fit too; validation then refuses them")
     parser.add_argument("--model", default=None, help="the model to fit (as `kvstrata serve --model`; default: the "
@@ -80,23 +105,44 @@ def add_calibrate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="dummy: --model's real shape with random weights (llama-3.2-1b, ...): a profile of a "
                              "model whose weights are not here, for `kvstrata simulate --profile`")
-    parser.set_defaults(run=run_calibrate)
+    parser.set_defaults(run=run_calibrate, default_log_level="INFO")     # minutes of work: say each step
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    import time
+
     from kvstrata.calibration.calibrate import calibrate
+    from kvstrata.calibration.self_check import check_slices, seconds_for, self_check
     from kvstrata.calibration.slices import SLICES
 
+    started = time.perf_counter()
     slices = tuple(name for name in args.fit_slices.split(",") if name)
     if set(slices) - set(SLICES):
         raise ValueError(f"--fit-slices takes names of {', '.join(SLICES)}, not {args.fit_slices!r}")
     if args.trace is not None and (args.model or args.load_format != "auto"):
         raise ValueError("--trace replays slices on the default model only; drop --model / --load-format")
-    calibration = calibrate(threads=args.threads, repeat=args.repeat, machine=args.machine, clock=args.clock,
+    checks = check_slices(args.check_slices, slices) if args.trace is not None else ()
+    if args.trace is None:
+        print("no --trace: the profile will not be checked against the engine (`kvstrata calibrate --trace T` "
+              "ends with `simulate --validate` on its plain slice)")
+    end = started + args.budget * 60
+    threads, clock = engine_timing(args)
+
+    def deadline(fit_so_far) -> float:
+        return end - seconds_for(args.trace, checks, fit_so_far, clock) if checks else end
+
+    calibration = calibrate(threads=threads, repeat=args.repeat, machine=args.machine, clock=clock,
                             trace=args.trace, slices=slices, store=args.store, model=args.model,
-                            load_format=args.load_format)
+                            load_format=args.load_format, deadline=deadline)
     output = args.output or machine_profile_path(calibration.model.machine["model"])
     calibration.save(output)
     print(calibration.report())
     print(f"profile written to {output}: {calibration.model.source}")
+    if checks:
+        from kvstrata.entrypoints.cli.simulate import validation_table
+
+        for check in self_check(args.trace, checks, calibration.model, threads, clock):
+            print(f"\nself-check on slice {check.name!r} of {args.trace} (not fitted on):")
+            print(validation_table(check.report))
+    print(f"\ncalibrate took {(time.perf_counter() - started) / 60:.1f} min (budget {args.budget:g})")
     return 0

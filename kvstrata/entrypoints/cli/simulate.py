@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from kvstrata.core.config import SpeculativeConfig, parse_size
-from kvstrata.entrypoints.cli.calibrate import profile_for_this_machine
+from kvstrata.entrypoints.cli.calibrate import engine_timing, profile_for_this_machine
 from kvstrata.sim.config import SimConfig
 from kvstrata.sim.cost_model import CostModel
 from kvstrata.sim.results import SimResult
@@ -208,12 +208,12 @@ def run_validation(args: argparse.Namespace) -> int:
     if spec is not None:
         from kvstrata.calibration.speculation import validate_speculation
 
-        report = validate_speculation(args.trace, chosen, spec, cost, args.threads, args.clock, scales,
+        report = validate_speculation(args.trace, chosen, spec, cost, *engine_timing(args), scales,
                                       args.max_num_seqs or 32)
         print(speculation_table(report))
         write_json(args.output_json, report)
         return 0
-    report = validate(args.trace, chosen, cost, args.threads, args.clock, time_scales=scales, repeat=args.repeat,
+    report = validate(args.trace, chosen, cost, *engine_timing(args), time_scales=scales, repeat=args.repeat,
                       max_num_seqs=args.max_num_seqs or 32)
     print(validation_table(report))
     write_json(args.output_json, report)
@@ -236,7 +236,7 @@ def run_fleet_validation(args: argparse.Namespace, cost: CostModel) -> int:
                                          ("--max-output-tokens", args.max_output_tokens)) if value is not None]
     if reshaped:      # the fleets get the trace as written; write the slice you want to a file of its own
         raise ValueError(f"--validate of a P:D fleet replays the trace as written: {', '.join(reshaped)} not taken")
-    repeats = args.repeat
+    repeats, threads = args.repeat, args.threads or 1         # engines of one thread, as --host-cores counts them
     trace = read_mooncake(args.trace)
     requests = args.max_requests or len(trace) // repeats
     if requests < 1:
@@ -248,10 +248,10 @@ def run_fleet_validation(args: argparse.Namespace, cost: CostModel) -> int:
     out = Path(tempfile.mkdtemp(prefix="kvstrata-fleet-validation-"))
     print(f"validating {args.prefill_instances}P+{args.decode_instances}D against "
           f"{args.prefill_instances + args.decode_instances} colocated engines ({args.router}) with {cost.source}: "
-          f"{requests} requests x {repeats} repeats, {args.threads} thread(s) per engine, a fresh Redis per fleet; "
+          f"{requests} requests x {repeats} repeats, {threads} thread(s) per engine, a fresh Redis per fleet; "
           f"logs in {out}", flush=True)
     report = validate_split(Path(args.trace), requests, output_len, cost, out, args.prefill_instances,
-                            args.decode_instances, args.threads, args.router, args.local_prefill_tokens, repeats,
+                            args.decode_instances, threads, args.router, args.local_prefill_tokens, repeats,
                             overhead=args.serving_overhead)
     print(comparison_table(report))
     write_json(args.output_json, report)
@@ -259,7 +259,10 @@ def run_fleet_validation(args: argparse.Namespace, cost: CostModel) -> int:
 
 
 def validation_table(report: dict) -> str:
-    """One block per load: each figure's engine value(s), the simulator's, and the error(s)."""
+    """One block per load: each figure's engine value(s), the simulator's, and the error(s); then how many
+    timing figures are within 5%."""
+    from kvstrata.calibration.validation import verdict
+
     lines = [f"{report['requests']} requests, steps timed by {report['clock']}"]
     for level, data in report["levels"].items():
         runs = data["engine_runs"]
@@ -279,6 +282,7 @@ def validation_table(report: dict) -> str:
             engine = " ".join(f"{v:.4f}" for v in row["engine"])
             errors = " ".join("n/a" if e is None else f"{e:+.1%}" for e in row["relative_error"])
             lines.append(f"{name:20}{engine:>26}{row['simulator']:11.4f}{errors:>20}")
+    lines.append(f"\n{verdict(report).line()}")
     return "\n".join(lines)
 
 
