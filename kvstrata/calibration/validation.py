@@ -65,29 +65,35 @@ TIMING = FIGURES[:5]                  # the figures a profile predicts: the hit 
 @dataclass(frozen=True)
 class Verdict:
     """How many of a validation's timing figures (TIMING at each load) the simulator got within
-    `tolerance` of the engine (the mean of its runs), and the worst one."""
+    `tolerance` of the engine (the mean of its runs), how many of the rest lie within the engine's own
+    spread over its runs (max / min - 1: the machine's noise, not the model's error), and the worst."""
 
     within: int
     total: int
     tolerance: float
     worst: tuple[str, str, float]                 # load, figure, relative error
+    within_noise: int = 0
 
     def line(self) -> str:
         load, name, error = self.worst
-        return (f"{self.within} of {self.total} timing figures within {self.tolerance:.0%} of the engine; "
+        noise = f"; {self.within_noise} more within the engine's own spread" if self.within_noise else ""
+        return (f"{self.within} of {self.total} timing figures within {self.tolerance:.0%} of the engine{noise}; "
                 f"the worst: {name} at {load}, {error:+.1%}")
 
 
 def verdict(report: dict, tolerance: float = 0.05) -> Verdict:
     """`report` (from `validate`) summed up: each figure's error against the mean of the engine's runs."""
-    errors = []
+    errors, noise = [], 0
     for load, level in report["levels"].items():
         for name in TIMING:
             row = level["figures"][name]
             engine = sum(row["engine"]) / len(row["engine"])
-            errors.append((load, name, row["simulator"] / engine - 1 if engine else math.inf))
+            error = row["simulator"] / engine - 1 if engine else math.inf
+            errors.append((load, name, error))
+            spread = row.get("engine_spread") or 0.0
+            noise += tolerance < abs(error) <= spread
     worst = max(errors, key=lambda e: abs(e[2]))
-    return Verdict(sum(abs(e) <= tolerance for _, _, e in errors), len(errors), tolerance, worst)
+    return Verdict(sum(abs(e) <= tolerance for _, _, e in errors), len(errors), tolerance, worst, noise)
 
 
 def step_kind(shape: BatchShape) -> str:

@@ -108,6 +108,17 @@ def test_the_verdict_counts_timing_figures_against_the_engines_mean():
     assert judged.worst[:2] == ("overload", "ttft_p99_s") and judged.worst[2] == pytest.approx(-0.12)
     assert "13 of 15 timing figures within 5%" in judged.line() and "-12.0%" in judged.line()
     assert verdict(report, tolerance=0.2).within == 15
+    assert judged.within_noise == 0
+    report["levels"]["near"]["figures"]["ttft_p50_s"]["engine_spread"] = 0.25       # its runs 1.0 and 1.25 apart
+    assert verdict(report).within_noise == 1 and "1 more within the engine's own spread" in verdict(report).line()
+
+
+def test_the_self_check_replays_as_often_as_the_time_left_allows():
+    from kvstrata.calibration.self_check import replays_within
+
+    assert replays_within(100.0, 30.0) == 3 and replays_within(65.0, 30.0) == 2
+    assert replays_within(10.0, 30.0) == 1 and replays_within(-5.0, 30.0) == 1      # one at least, late or not
+    assert replays_within(1000.0, 30.0) == 3 and replays_within(1000.0, 30.0, most=5) == 5
 
 
 def test_check_slices_refuses_unknown_slices_and_those_fitted_on():

@@ -112,7 +112,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     import time
 
     from kvstrata.calibration.calibrate import calibrate
-    from kvstrata.calibration.self_check import check_slices, seconds_for, self_check
+    from kvstrata.calibration.self_check import PLANNED_REPLAYS, check_slices, replays_within, seconds_for, self_check
     from kvstrata.calibration.slices import SLICES
 
     started = time.perf_counter()
@@ -129,7 +129,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     threads, clock = engine_timing(args)
 
     def deadline(fit_so_far) -> float:
-        return end - seconds_for(args.trace, checks, fit_so_far, clock) if checks else end
+        return end - PLANNED_REPLAYS * seconds_for(args.trace, checks, fit_so_far, clock) if checks else end
 
     calibration = calibrate(threads=threads, repeat=args.repeat, machine=args.machine, clock=clock,
                             trace=args.trace, slices=slices, store=args.store, model=args.model,
@@ -137,12 +137,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
     output = args.output or machine_profile_path(calibration.model.machine["model"])
     calibration.save(output)
     print(calibration.report())
-    print(f"profile written to {output}: {calibration.model.source}")
+    print(f"profile written to {output}: {calibration.model.source}", flush=True)
     if checks:
         from kvstrata.entrypoints.cli.simulate import validation_table
 
-        for check in self_check(args.trace, checks, calibration.model, threads, clock):
+        each = seconds_for(args.trace, checks, calibration.model, clock)
+        replays = replays_within(end - time.perf_counter(), each)
+        print(f"\nself-check: {', '.join(checks)} at three loads, the engine {replays} time(s) "
+              f"(~{replays * each / 60:.0f} min)", flush=True)
+        for check in self_check(args.trace, checks, calibration.model, threads, clock, replays):
             print(f"\nself-check on slice {check.name!r} of {args.trace} (not fitted on):")
-            print(validation_table(check.report))
+            print(validation_table(check.report), flush=True)
     print(f"\ncalibrate took {(time.perf_counter() - started) / 60:.1f} min (budget {args.budget:g})")
     return 0
