@@ -96,6 +96,32 @@ def verdict(report: dict, tolerance: float = 0.05) -> Verdict:
     return Verdict(sum(abs(e) <= tolerance for _, _, e in errors), len(errors), tolerance, worst, noise)
 
 
+def validation_table(report: dict) -> str:
+    """One block per load: each figure's engine value(s), the simulator's, and the error(s); then how many
+    timing figures are within 5%."""
+    lines = [f"{report['requests']} requests, steps timed by {report['clock']}"]
+    for level, data in report["levels"].items():
+        runs = data["engine_runs"]
+        loads = "; ".join(f"{r['loadavg_before'][0]:.2f}->{r['loadavg_after'][0]:.2f}" for r in runs)
+        speed = ", ".join("n/a" if r["speed_ratio"] is None else f"{r['speed_ratio']:.3f}" for r in runs)
+        steps = [r["step_seconds"] for r in runs]
+        busy = ", ".join(f"{r['busy_share']:.0%}" for r in runs)
+        same = ", ".join(f"engine {s['engine']:.1f}s profile {s['profile']:.1f}s ({s['profile'] / s['engine'] - 1:+.1%})"
+                         for s in steps if s["engine"])
+        lines.append(f"\n{level}: time scale {data['time_scale']:.4g}, engine busy {busy}, loadavg (1 min) {loads}, "
+                     f"probe vs calibration {speed}; the same batches: {same}")
+        kinds = runs[0]["step_kinds"]
+        lines.append("  steps of the first run, profile against engine: " + "; ".join(
+            f"{kind} {k['steps']}x {k['profile_s'] / k['engine_s'] - 1:+.1%}" for kind, k in kinds.items() if k["engine_s"]))
+        lines.append(f"{'':20}{'engine':>26}{'simulator':>11}{'error':>20}")
+        for name, row in data["figures"].items():
+            engine = " ".join(f"{v:.4f}" for v in row["engine"])
+            errors = " ".join("n/a" if e is None else f"{e:+.1%}" for e in row["relative_error"])
+            lines.append(f"{name:20}{engine:>26}{row['simulator']:11.4f}{errors:>20}")
+    lines.append(f"\n{verdict(report).line()}")
+    return "\n".join(lines)
+
+
 def step_kind(shape: BatchShape) -> str:
     """A step's kind for the error breakdown: what dominates its cost."""
     if shape.prefill_tokens and shape.decode_seqs:

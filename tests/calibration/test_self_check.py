@@ -153,11 +153,19 @@ def test_a_profile_is_validated_by_the_clock_it_was_timed_by():
         check_same_clock(profile(({"kind": "grid", "clock": "wall"},)), "cpu")
 
 
+def _flat_trace(path: Path, output_length: int) -> Path:
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": output_length,
+                                        "hash_ids": [0, i + 1]}) + "\n" for i in range(560)))
+    return path
+
+
 def test_the_self_check_is_priced_before_the_grid_ends(tmp_path):
-    trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 8,
-                                         "hash_ids": [0, i + 1]}) + "\n" for i in range(560)))
+    from kvstrata.calibration.self_check import ENGINE_START_S
+
     cost = CostModel.load(SHIPPED)
-    cpu, wall = seconds_for(trace, ("plain",), cost, "cpu"), seconds_for(trace, ("plain",), cost, "wall")
-    assert 0 < cpu < wall, "a wall-clock replay waits out the light load's arrivals"
-    assert seconds_for(trace, (), cost, "cpu") == 0.0
+    short = seconds_for(_flat_trace(tmp_path / "short.jsonl", 4), ("plain",), cost)
+    long = seconds_for(_flat_trace(tmp_path / "long.jsonl", 16), ("plain",), cost)
+    assert 3 * ENGINE_START_S < short < long, "the replays are priced by the work in the slice"
+    # 12 more decodes for each of 40 requests at each of three loads, each at least a step's fixed cost
+    assert long - short > 3 * 40 * 12 * cost.compute[0]
+    assert seconds_for(tmp_path / "short.jsonl", (), cost) == 0.0

@@ -114,6 +114,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from kvstrata.calibration.calibrate import calibrate
     from kvstrata.calibration.self_check import PLANNED_REPLAYS, check_slices, replays_within, seconds_for, self_check
     from kvstrata.calibration.slices import SLICES
+    from kvstrata.calibration.validation import validation_table
 
     started = time.perf_counter()
     slices = tuple(name for name in args.fit_slices.split(",") if name)
@@ -129,7 +130,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     threads, clock = engine_timing(args)
 
     def deadline(fit_so_far) -> float:
-        return end - PLANNED_REPLAYS * seconds_for(args.trace, checks, fit_so_far, clock) if checks else end
+        return end - PLANNED_REPLAYS * seconds_for(args.trace, checks, fit_so_far) if checks else end
 
     calibration = calibrate(threads=threads, repeat=args.repeat, machine=args.machine, clock=clock,
                             trace=args.trace, slices=slices, store=args.store, model=args.model,
@@ -139,9 +140,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(calibration.report())
     print(f"profile written to {output}: {calibration.model.source}", flush=True)
     if checks:
-        from kvstrata.entrypoints.cli.simulate import validation_table
-
-        each = seconds_for(args.trace, checks, calibration.model, clock)
+        each = seconds_for(args.trace, checks, calibration.model)
         replays = replays_within(end - time.perf_counter(), each)
         print(f"\nself-check: {', '.join(checks)} at three loads, the engine {replays} time(s) "
               f"(~{replays * each / 60:.0f} min)", flush=True)
