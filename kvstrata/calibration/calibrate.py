@@ -44,6 +44,7 @@ from kvstrata.calibration.engine_replay import (
     CLOCKS,
     MAX_CHUNK,
     ShapeRecorder,
+    lay_out_as_after_traffic,
     loadavg,
     replay_on_engine,
     speed_probe,
@@ -301,6 +302,7 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     engine = LLMEngine(config)
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
+    lay_out_as_after_traffic(engine)
     warm_up(engine)
     shapes, seconds, passes = _grid_medians(engine, recorder, CLOCKS[clock], repeat, deadline)
     spec = recorder.runner.spec

@@ -175,3 +175,17 @@ def test_audit_catches_a_leaked_block():
     with pytest.raises(AuditError, match="refcount differs") as info:
         pool.audit({})               # no request table holds block 0
     assert info.value.block_ids == [0]
+
+
+def test_scatter_free_lays_a_fresh_pool_out_as_after_traffic():
+    import random
+
+    pool = BlockPool(64)
+    pool.scatter_free(random.Random(0))
+    blocks, _ = pool.allocate(64)
+    ids = [b.block_id for b in blocks]
+    assert sorted(ids) == list(range(64)) and ids != list(range(64)), "every block, not in order"
+    pool.audit({i: 1 for i in ids})
+    pool.free(blocks[:1])
+    with pytest.raises(AssertionError, match="every block free"):
+        pool.scatter_free(random.Random(0))                  # a pool in use keeps its layout
