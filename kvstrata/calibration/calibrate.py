@@ -333,34 +333,34 @@ def _grid_medians(engine, recorder: ShapeRecorder, timer: Callable[[], float], r
     far)`; its steps' shapes, each step's median time, and the passes run. Noise is what more passes
     average out: a step of one shape varies by 10% and more between passes."""
     runs: list[list[tuple[BatchShape, float]]] = []
-    medians: list[float] | None = None
+    fitted: CostModel | None = None
     while True:
         started = time.perf_counter()
         runs.append(_grid_run(engine, recorder, timer, seed=len(runs) + 1))
         shapes = [shape for shape, _ in runs[0]]
         if [shape for shape, _ in runs[-1]] != shapes:
             raise RuntimeError("calibration runs scheduled different batches; cannot pair their steps")
-        previous, medians = medians, [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
+        medians = [statistics.median(run[i][1] for run in runs) for i in range(len(shapes))]
         pass_s = time.perf_counter() - started
-        moved = _moved(shapes, previous, medians)
+        previous, fitted = fitted, _fit_alone(shapes, medians, recorder.runner.decodes_in_place)
+        moved = _moved(shapes, previous, fitted)
         logger.info("grid pass %d: %.0f s; the fit moved %s", len(runs), pass_s,
                     "n/a" if moved is None else f"{moved:.2%} (p90 over the grid's steps)")
         if len(runs) < repeat:
             continue
         if deadline is None or (moved is not None and moved <= SETTLED) or \
-                time.perf_counter() + pass_s > deadline(_fit_alone(shapes, medians, recorder.runner.decodes_in_place)):
+                time.perf_counter() + pass_s > deadline(fitted):
             return shapes, medians, len(runs)
 
 
 SETTLED = 0.02       # a pass that moves the fitted step times by less than this (p90 over the grid) adds nothing
 
 
-def _moved(shapes: list[BatchShape], before: list[float] | None, after: list[float]) -> float | None:
+def _moved(shapes: list[BatchShape], before: CostModel | None, after: CostModel) -> float | None:
     """How far one more pass moved the fit: p90 over the grid's steps of |predicted after / before - 1|."""
     if before is None:
         return None
-    first, second = _fit_alone(shapes, before), _fit_alone(shapes, after)
-    changes = [abs(second.step_seconds(s) / first.step_seconds(s) - 1) for s in shapes]
+    changes = [abs(after.step_seconds(s) / before.step_seconds(s) - 1) for s in shapes]
     return float(np.percentile(changes, 90))
 
 

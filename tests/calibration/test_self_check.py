@@ -82,9 +82,11 @@ def test_the_deadline_is_asked_with_the_fit_so_far(monkeypatch):
 
 def test_moved_is_how_far_a_pass_moves_the_fitted_step_times():
     shapes, seconds = _measured()
-    assert calibration._moved(shapes, None, seconds) is None
-    assert calibration._moved(shapes, seconds, seconds) == pytest.approx(0.0, abs=1e-9)
-    assert calibration._moved(shapes, seconds, [t * 1.1 for t in seconds]) == pytest.approx(0.1, rel=1e-6)
+    fitted = calibration._fit_alone(shapes, seconds)
+    assert calibration._moved(shapes, None, fitted) is None
+    assert calibration._moved(shapes, fitted, fitted) == pytest.approx(0.0, abs=1e-9)
+    slower = calibration._fit_alone(shapes, [t * 1.1 for t in seconds])
+    assert calibration._moved(shapes, fitted, slower) == pytest.approx(0.1, rel=1e-6)
 
 
 def _report(errors_by_load: dict[str, list[float]], runs: int = 2) -> dict:
