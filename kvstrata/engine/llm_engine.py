@@ -81,7 +81,9 @@ class LLMEngine:
         self.store = open_store(cache.store, cache.store_path, cache.store_capacity, cache.store_timeout)
         mover = self.runner.buffers if faults is None else FaultyMover(self.runner.buffers, faults)
         self.tiers = TierManager(cache, self.runner.num_device_blocks, self.runner.num_host_blocks,
-                                 store=self.store, mover=mover)
+                                 store=self.store, mover=mover, groups=self.runner.kv_groups,
+                                 max_chunk_tokens=config.scheduler.max_num_batched_tokens
+                                 if config.scheduler.enable_chunked_prefill else None)
         self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids,
                                    speculative=config.speculative_config)
         self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)

@@ -19,6 +19,7 @@ from kvstrata.core.request import Request, RequestStatus
 from kvstrata.kvcache.block_pool import Block, BlockPool, BlockState, EvictedBlock
 from kvstrata.kvcache.block_tables import BlockTables, PendingFork, RequestBlocks
 from kvstrata.kvcache.guarded_mover import GuardedMover
+from kvstrata.kvcache.kv_groups import KVGroups, group_hash
 from kvstrata.kvcache.loads import StoreLoads
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.write_back import WriteBack
@@ -39,6 +40,9 @@ class AdmissionPlan:
     reserve: int                       # blocks kept back for decode growth
     forks: list[Request] = field(default_factory=list)    # a leader's samples waiting to fork
     num_fork_blocks: int = 0           # their copies of the partly filled last prompt block
+    extra_hits: list[list[Block | None]] = field(default_factory=list)   # KV groups 1..: their tables' hit part
+    num_extra_new: int = 0             # KV groups 1..: pages for the new blocks, and the forks' copies
+    num_cut_blocks: int = 0            # device hits of group 0 some other group could not serve
 
     @property
     def num_loads(self) -> int:
@@ -51,7 +55,13 @@ class AdmissionPlan:
 
     @property
     def num_blocks_taken(self) -> int:
-        return self.num_touched_cached + self.num_loads + self.num_new_blocks + self.num_fork_blocks
+        return (self.num_touched_cached + self.num_loads + self.num_new_blocks + self.num_fork_blocks
+                + self.num_extra_new)
+
+    @property
+    def touched(self) -> list[Block]:
+        """Every page of the hit, group 0's first."""
+        return _pages(self.hit_blocks, self.extra_hits)
 
     @property
     def num_blocks_needed(self) -> int:
@@ -105,7 +115,11 @@ class Admission:
 
     def __init__(self, config: CacheConfig, *, device: BlockPool, host: BlockPool | None,
                  store_io: StoreIO | None, tables: BlockTables, reservation: DecodeReservation,
-                 loads: StoreLoads, write_back: WriteBack, moves: GuardedMover | None, stats: CacheStats):
+                 loads: StoreLoads, write_back: WriteBack, moves: GuardedMover | None, stats: CacheStats,
+                 groups: KVGroups | None = None, max_chunk_tokens: int | None = None):
+        assert groups is None or (host is None and store_io is None), "KV groups keep no lower tier yet"
+        self.groups = groups if groups is not None and groups.num_groups > 1 else None
+        self.max_chunk_tokens = max_chunk_tokens      # the most tokens of a request one step computes (None: all)
         self.config = config
         self.block_size = config.block_size
         self.device = device
@@ -156,6 +170,36 @@ class Admission:
                                                                      start, limit)
         return hits, host, store
 
+    def _group_hits(self, request: Request, hits: list[Block]) -> tuple[list[Block], list[list[Block | None]]]:
+        """The longest part of group 0's device hit every other group serves too: a global group every block
+        of it, a sliding group the blocks its window reads from the first uncached token on (the pages before
+        may be gone). Group 0's hit cut to it, and each other group's table for it (None before its window)."""
+        size, groups = self.block_size, self.groups
+        found: dict[tuple[int, int], Block | None] = {}       # each page looked up once, however far L steps down
+
+        def page(group: int, index: int) -> Block | None:
+            if (group, index) not in found:
+                found[group, index] = self.device.lookup(group_hash(request.block_hashes[index], group),
+                                                         request.token_ids[index * size:(index + 1) * size])
+            return found[group, index]
+
+        for length in range(len(hits), -1, -1):
+            tables = []
+            for group in range(1, groups.num_groups):
+                first = groups.first_needed(group, length * size, size)
+                table: list[Block | None] = [None] * first
+                for index in range(first, length):
+                    block = page(group, index)
+                    if block is None:
+                        break
+                    table.append(block)
+                if len(table) < length:
+                    break
+                tables.append(table)
+            else:
+                return hits[:length], tables
+        raise AssertionError("a hit of no block is always served")
+
     def _computing_block(self, request: Request, index: int) -> bool:
         return index < self._max_hit_blocks(request) and request.block_hashes[index] in self.tables.computing
 
@@ -188,15 +232,31 @@ class Admission:
 
     def reserve_for_running(self) -> int:
         """Blocks the requests holding blocks (and the samples waiting to fork) may still grow into."""
-        return sum(self.reservation.blocks(rb.request, rb.request.num_computed_tokens,
-                                           len(rb.blocks) * self.block_size, self.block_size)
+        return sum(self._future(rb.request, rb.request.num_computed_tokens, len(rb.blocks))
                    for rb in self.tables.by_request.values()) + sum(map(self._fork_reserve, self.tables.forks.values()))
 
     def _fork_reserve(self, pending: PendingFork | Request) -> int:
         """A sample's decode growth beyond the last prompt block it will hold after the fork."""
         request = pending.request if isinstance(pending, PendingFork) else pending
-        slots = math.ceil(request.num_prompt_tokens / self.block_size) * self.block_size
-        return self.reservation.blocks(request, request.num_prompt_tokens, slots, self.block_size)
+        return self._future(request, request.num_prompt_tokens, math.ceil(request.num_prompt_tokens / self.block_size))
+
+    def _future(self, request: Request, num_tokens_with_kv: int, num_blocks: int, held_from: int | None = None) -> int:
+        """Pages `request` may still grow into, holding `num_blocks` blocks with `num_tokens_with_kv` tokens of KV:
+        the reservation's blocks in every global group; in a sliding group no more than its peak (the window
+        and the next computation: a chunk of the rest of the prompt, or a decode and its drafts) beyond the pages
+        it holds, those from the window of position `held_from` on (default: the tokens with KV; at admission,
+        the first token the chunk computes: the chunk holds its pages until the step is done)."""
+        size = self.block_size
+        blocks = self.reservation.blocks(request, num_tokens_with_kv, num_blocks * size, size)
+        if self.groups is None:
+            return blocks
+        total, groups = blocks, self.groups
+        at_once = max(min(request.num_tokens - num_tokens_with_kv, self.max_chunk_tokens or request.num_tokens),
+                      1 + request.num_lookahead_tokens)
+        for group in range(1, groups.num_groups):
+            kept = num_blocks - groups.first_needed(group, num_tokens_with_kv if held_from is None else held_from, size)
+            total += min(blocks, max(0, groups.peak_blocks(group, num_blocks + blocks, at_once, size) - kept))
+        return total
 
     def plan(self, request: Request, max_new_tokens: int, whole: bool = False) -> AdmissionPlan | None:
         """Plan admitting `request` with a chunk of at most `max_new_tokens`; None if it does not fit.
@@ -213,6 +273,12 @@ class Admission:
         assert request.request_id not in self.tables.by_request, f"{request.request_id} already holds blocks"
         size = self.block_size
         hits, host, store = self._hits(request)
+        extra_hits: list[list[Block | None]] = []
+        num_cut = 0
+        if self.groups is not None:
+            num_cut = len(hits)
+            hits, extra_hits = self._group_hits(request, hits)
+            num_cut -= len(hits)
         num_hits = len(hits) + len(host) + len(store)
         if self._computing_block(request, num_hits):
             return None                                   # another request is computing it: wait, then hit
@@ -221,18 +287,20 @@ class Admission:
         if num_new_tokens <= 0 or (whole and num_hit_tokens + num_new_tokens < request.num_tokens):
             return None
         num_blocks = math.ceil((num_hit_tokens + num_new_tokens) / size)
-        own_future = self.reservation.blocks(request, num_hit_tokens + num_new_tokens, num_blocks * size, size)
+        own_future = self._future(request, num_hit_tokens + num_new_tokens, num_blocks, num_hit_tokens)
         forks = request.family.pending if request.family is not None else []
         assert not any(f.request_id in self.tables.forks for f in forks), "a family's samples are already placed"
         partial_last_block = request.num_prompt_tokens % size != 0
+        num_fork_blocks = len(forks) if partial_last_block else 0
         return AdmissionPlan(
             request=request, epoch=self.device.epoch, hit_blocks=hits,
-            num_touched_cached=sum(block.state is BlockState.CACHED for block in hits),
+            num_touched_cached=sum(block.state is BlockState.CACHED for block in _pages(hits, extra_hits)),
             load_host=host, load_store=store,
             num_new_blocks=num_blocks - len(hits) - len(host) - len(store),
             num_new_tokens=num_new_tokens,
             reserve=self.reserve_for_running() + own_future + sum(map(self._fork_reserve, forks)),
-            forks=forks, num_fork_blocks=len(forks) if partial_last_block else 0)
+            forks=forks, num_fork_blocks=num_fork_blocks, extra_hits=extra_hits,
+            num_extra_new=len(extra_hits) * (num_blocks - len(hits) + num_fork_blocks), num_cut_blocks=num_cut)
 
     def fits(self, plan: AdmissionPlan) -> bool:
         return plan.num_blocks_needed <= self.device.num_available
@@ -250,6 +318,8 @@ class Admission:
         if self.store_io is not None:
             self.store_io.forget_lookup(plan.request.request_id)
         self.write_back.offload_evicted(evicted)
+        self.stats.window_cut_hits += plan.num_cut_blocks > 0
+        self.stats.window_hits += any(table and table[0] is None for table in plan.extra_hits)
         num_host_loaded = self._load_host_hits(plan, rb, host_targets)
         if first_admission:
             request, size = plan.request, self.block_size
@@ -276,15 +346,18 @@ class Admission:
         request, device = plan.request, self.device
         undo: list[Callable[[], None]] = []
         try:
-            device.touch(plan.hit_blocks)
-            undo.append(lambda: device.free(reversed(plan.hit_blocks)))
+            touched = plan.touched
+            device.touch(touched)
+            undo.append(lambda: device.free(reversed(touched)))
             if plan.load_host:
                 self.host.touch(plan.load_host)       # pinned: the offload after the commit must not evict them
                 undo.append(lambda: self.host.free(plan.load_host))
-            got = device.allocate(len(plan.load_host) + plan.num_new_blocks + plan.num_fork_blocks)
+            num_group0 = len(plan.load_host) + plan.num_new_blocks + plan.num_fork_blocks
+            got = device.allocate(num_group0 + plan.num_extra_new)
             assert got is not None, "allocation failed after fits() said yes"
             new_blocks, evicted = got
-            undo.append(lambda: (device.free(reversed(new_blocks)), device.unevict(evicted)))
+            new_blocks, extra_new = new_blocks[:num_group0], new_blocks[num_group0:]
+            undo.append(lambda: (device.free(reversed(new_blocks + extra_new)), device.unevict(evicted)))
             flight = device.start_transfer(len(plan.load_store))
             assert flight is not None, "load targets unavailable after fits() said yes"
             targets, evicted_for_targets = flight
@@ -293,10 +366,14 @@ class Admission:
             num_host, num_new = len(plan.load_host), len(new_blocks) - plan.num_fork_blocks
             host_targets = new_blocks[:num_host]
             table = plan.hit_blocks + host_targets + targets + new_blocks[num_host:num_new]
-            self.tables.place_forks(plan.forks, new_blocks[num_new:])
+            extra = _split(extra_new, len(plan.extra_hits), num_new - num_host + plan.num_fork_blocks)
+            fork_pages = [page for i, fork in enumerate(new_blocks[num_new:])
+                          for page in [fork] + [pages[num_new - num_host + i] for pages in extra]]
+            self.tables.place_forks(plan.forks, fork_pages, 1 + len(extra))
             load = self.loads.start(request, len(plan.hit_blocks) + num_host, plan.load_store, targets,
                                     first_admission)
-            rb = RequestBlocks(request, table, len(plan.hit_blocks), load)
+            rb = RequestBlocks(request, table, len(plan.hit_blocks), load,
+                               extra=[hit + pages[:num_new - num_host] for hit, pages in zip(plan.extra_hits, extra)])
             self.tables.add(rb)
         except BaseException:
             self.tables.remove(request.request_id)
@@ -333,3 +410,14 @@ class Admission:
             self.device.register(dst, src.block_hash, src.token_ids)
         self.stats.count(self.stats.loaded_blocks, "host", len(targets))
         return True
+
+
+def _pages(hits: list[Block], extra_hits: list[list[Block | None]]) -> list[Block]:
+    """Every page of a hit: group 0's blocks, then each other group's (its window's)."""
+    return hits + [block for table in extra_hits for block in table if block is not None]
+
+
+def _split(pages: list[Block], num_groups: int, each: int) -> list[list[Block]]:
+    """`pages` dealt out to `num_groups` groups, `each` apiece."""
+    assert len(pages) == num_groups * each, "pages for every group"
+    return [pages[group * each:(group + 1) * each] for group in range(num_groups)]

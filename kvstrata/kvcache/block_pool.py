@@ -52,6 +52,7 @@ class Block:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None   # the content key, compared on every hit
+    published: bool = True                     # whether the listener heard its hash (not a KV group's page: 1..)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,7 @@ class EvictedBlock:
     block_id: int
     block_hash: BlockHash
     token_ids: tuple[int, ...]
+    published: bool = True
 
 
 class AuditError(AssertionError):
@@ -176,7 +178,7 @@ class BlockPool:
         evicted = []
         for _ in range(n):
             _, block = self._lru.popitem(last=False)
-            evicted.append(EvictedBlock(block.block_id, block.block_hash, block.token_ids))
+            evicted.append(EvictedBlock(block.block_id, block.block_hash, block.token_ids, block.published))
             self._forget(block)
             block.state = BlockState.FREE
             self._free.append(block)
@@ -194,8 +196,10 @@ class BlockPool:
             block.ref_cnt += 1
         self.epoch += 1
 
-    def free(self, blocks: Iterable[Block]) -> None:
-        """Drop one holder from each block, in the given order (pass a table reversed: tail first)."""
+    def free(self, blocks: Iterable[Block], stale: bool = False) -> None:
+        """Drop one holder from each block, in the given order (pass a table reversed: tail first). A `stale`
+        block that becomes CACHED goes to the head of the LRU, next to be evicted: a page a sliding KV group let
+        go that no likely hit reads (kvstrata.kvcache.growth)."""
         for block in blocks:
             assert block.state is BlockState.USED and block.ref_cnt >= 1, \
                 f"double free of {self.tier} block {block.block_id} ({block.state.value})"
@@ -205,20 +209,23 @@ class BlockPool:
                 if block.block_hash is not None:
                     block.state = BlockState.CACHED
                     self._lru[block.block_id] = block
+                    if stale:
+                        self._lru.move_to_end(block.block_id, last=False)
                 else:
                     block.state = BlockState.FREE
                     block.token_ids = None
                     self._free.append(block)
         self.epoch += 1
 
-    def register(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
-        """Give a full USED block its hash. Returns False (and leaves it unhashed) for a duplicate."""
+    def register(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int], publish: bool = True) -> bool:
+        """Give a full USED block its hash. Returns False (and leaves it unhashed) for a duplicate. Unless
+        `publish`, the listener never hears of it (a page of a KV group other than 0: kvstrata.kvcache.kv_groups)."""
         assert block.state is BlockState.USED, f"registering {block.state.value} block {block.block_id}"
         assert block.block_hash is None or block.block_hash == block_hash, \
             f"block {block.block_id} already holds other content"
         if block.block_hash is not None or block_hash in self._index:
             return block.block_hash is not None
-        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        block.block_hash, block.token_ids, block.published = block_hash, tuple(token_ids), publish
         self._indexed(block_hash, block)
         self.epoch += 1
         return True
@@ -263,16 +270,17 @@ class BlockPool:
 
     def _indexed(self, block_hash: BlockHash, block: Block) -> None:
         self._index[block_hash] = block
-        if self.listener is not None:
+        if self.listener is not None and block.published:
             self.listener(block_hash, True)
 
     def _forget(self, block: Block) -> None:
         if block.block_hash is not None:
             assert self._index.get(block.block_hash) is block, f"index lost block {block.block_id}"
             del self._index[block.block_hash]
-            if self.listener is not None:
+            if self.listener is not None and block.published:
                 self.listener(block.block_hash, False)
         block.block_hash = block.token_ids = None
+        block.published = True
 
     # ---- audit ----------------------------------------------------------------------------------
     def snapshot(self, with_order: bool = True) -> tuple:
@@ -295,6 +303,7 @@ class BlockPool:
                 f"block {item.block_id} was reused after eviction"
             self._free.remove(block)
             block.state, block.block_hash, block.token_ids = BlockState.CACHED, item.block_hash, item.token_ids
+            block.published = item.published
             self._indexed(item.block_hash, block)
             self._lru[block.block_id] = block
             self._lru.move_to_end(block.block_id, last=False)

@@ -24,6 +24,9 @@ class RequestBlocks:
     tokens that the request is computing or loading: their hashes are in `BlockTables.computing`.
     Inside a speculative step the last blocks may hold slots for `num_draft_tokens` draft tokens,
     which are never announced (a draft has no hash) and are given back once verified.
+
+    With KV groups (kvstrata.kvcache.kv_groups) `blocks` is group 0's table and `extra[k - 1]` group k's, as
+    long, with None (id -1) where a sliding group released a page its window no longer reads.
     """
 
     request: Request
@@ -31,23 +34,49 @@ class RequestBlocks:
     num_registered: int = 0
     load: LoadTransfer | None = None
     num_draft_tokens: int = 0
+    extra: list[list[Block | None]] = field(default_factory=list)
     block_ids: list[int] = field(init=False)
+    extra_ids: list[list[int]] = field(init=False)
     num_announced: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.block_ids = [block.block_id for block in self.blocks]
+        self.extra_ids = [[-1 if block is None else block.block_id for block in table] for table in self.extra]
         self.num_announced = self.num_registered
+        assert all(len(table) == len(self.blocks) for table in self.extra), "every group's table is as long"
 
-    def extend(self, blocks: list[Block]) -> None:
+    def extend(self, blocks: list[Block], extra: list[list[Block]] = ()) -> None:
+        """Append `blocks` to group 0's table and `extra[k - 1]` (as many) to group k's."""
+        assert len(extra) == len(self.extra) and all(len(more) == len(blocks) for more in extra)
         self.blocks.extend(blocks)
         self.block_ids.extend(block.block_id for block in blocks)
+        for table, ids, more in zip(self.extra, self.extra_ids, extra):
+            table.extend(more)
+            ids.extend(block.block_id for block in more)
 
     def truncate(self, num_blocks: int) -> list[Block]:
-        """Drop the blocks past the first `num_blocks`, which must hold nothing announced; the dropped ones."""
+        """Drop the blocks past the first `num_blocks` of every group, which must hold nothing announced; the
+        dropped ones, group 0's first."""
         assert self.num_announced <= num_blocks and self.load is None, "dropping announced or loading blocks"
         dropped = self.blocks[num_blocks:]
         del self.blocks[num_blocks:], self.block_ids[num_blocks:]
+        for table, ids in zip(self.extra, self.extra_ids):
+            dropped += [block for block in table[num_blocks:] if block is not None]
+            del table[num_blocks:], ids[num_blocks:]
         return dropped
+
+    def release_before(self, group: int, stop: int) -> list[tuple[int, Block]]:
+        """Let go of group `group`'s pages before block `stop` (a sliding group's, out of its window); them, with
+        their places in the table."""
+        table, ids = self.extra[group - 1], self.extra_ids[group - 1]
+        released = [(index, block) for index, block in enumerate(table[:stop]) if block is not None]
+        for index in range(min(stop, len(table))):
+            table[index], ids[index] = None, -1
+        return released
+
+    def held(self) -> list[Block]:
+        """Every page the request holds, group 0's table first, each table tail first (the order to free them in)."""
+        return [*reversed(self.blocks), *(b for table in self.extra for b in reversed(table) if b is not None)]
 
 
 @dataclass
@@ -57,6 +86,7 @@ class PendingFork:
 
     request: Request
     block: Block | None
+    extra: list[Block] = field(default_factory=list)     # with KV groups: the copy's page in groups 1..
 
 
 class BlockTables:
@@ -124,14 +154,21 @@ class BlockTables:
                 del self.computing[block_hash]
 
     # ---- samples waiting to fork ----------------------------------------------------------------
-    def place_forks(self, samples: list[Request], blocks: list[Block]) -> None:
-        """Give each sample its place: the block for its copy of the last prompt block, if any."""
+    def place_forks(self, samples: list[Request], blocks: list[Block], num_groups: int = 1) -> None:
+        """Give each sample its place: the block for its copy of the last prompt block, if any (with KV
+        groups, `num_groups` pages each, one per group)."""
         for index, sample in enumerate(samples):
-            self.forks[sample.request_id] = PendingFork(sample, blocks[index] if blocks else None)
+            mine = blocks[index * num_groups:(index + 1) * num_groups]
+            self.forks[sample.request_id] = PendingFork(sample, mine[0] if mine else None, mine[1:])
 
     def drop_forks(self, request: Request) -> list[Block]:
         """Forget the place of a sample waiting to fork, or of all its leader's samples (a family
         admitted again after its leader's preemption takes them again); the blocks taken for them."""
         dropped = [sample_id for sample_id, pending in self.forks.items()
                    if pending.request is request or pending.request.family.leader is request]
-        return [block for block in (self.forks.pop(sample_id).block for sample_id in dropped) if block is not None]
+        places = [self.forks.pop(sample_id) for sample_id in dropped]
+        return [block for pending in places for block in ([pending.block] + pending.extra) if block is not None]
+
+    def leads_forks(self, request: Request) -> bool:
+        """Whether samples wait to fork from `request`'s prompt (its sliding pages stay until they have)."""
+        return any(pending.request.family.leader is request for pending in self.forks.values())

@@ -1,7 +1,9 @@
 """The physical KV tensors of one tier (device or host), and moving blocks in and out of them.
 
 Layout: ONE tensor of shape (L, 2, KVH, N, bs, D), allocated once, for
-L layers, K and V, KVH kv heads, N blocks of bs tokens, head dim D.
+L layers, K and V, KVH kv heads, N blocks of bs tokens, head dim D. With KV groups (a hybrid model's
+sliding and global layers, kvstrata.kvcache.kv_groups) L is a group's layers and a block is a page of one
+group: layer l reads plane `page_slot[l]` of the pages of its group's block table.
 
     data[layer]            (2, KVH, N, bs, D)   a view, no copy
     data[layer][0][h]      (N * bs, D)          every token slot of head h, flat: slot = block * bs + offset
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstrata.kvcache.kv_groups import KVGroups
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -41,16 +45,23 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    groups: KVGroups | None = None      # None: one group of every layer, a block holds them all
 
     @classmethod
-    def for_model(cls, arch, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        """Spec for a `ModelArch` (kvstrata.model.arch)."""
-        return cls(arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, dtype)
+    def for_model(cls, arch, block_size: int, dtype: torch.dtype, groups: KVGroups | None = None) -> KVCacheSpec:
+        """Spec for a `ModelArch` (kvstrata.model.arch), its layers grouped by `groups` (when there are several)."""
+        return cls(arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, dtype,
+                   groups if groups is not None and groups.num_groups > 1 else None)
+
+    @property
+    def page_layers(self) -> int:
+        """Layers a block holds: a group's, or every layer."""
+        return self.num_layers if self.groups is None else self.groups.layers_per_page
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block across all layers: (L, 2, KVH, bs, D)."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        """Shape of one block (a page of one group): (L, 2, KVH, bs, D)."""
+        return (self.page_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
@@ -75,8 +86,9 @@ class PagedKVCache:
         self.data = _zeros((l, 2, h, num_blocks, bs, d), spec.dtype, torch.device(device),
                            pin_memory)                     # (L, 2, KVH, N, bs, D)
         self.device = self.data.device
-        # Per-layer flat views, made once: (2, KVH, N * bs, D) for slot writes.
-        self._slots = [self.data[i].view(2, h, num_blocks * bs, d) for i in range(l)]
+        # Each layer's plane of the pages, and its flat view, made once: (2, KVH, N * bs, D) for slot writes.
+        self._plane = spec.groups.page_slot if spec.groups is not None else tuple(range(l))
+        self._slots = [self.data[p].view(2, h, num_blocks * bs, d) for p in self._plane]
         # Bytes from the start not yet mapped by `map_pages` (lazily zeroed CPU memory only).
         self._unmapped = self.nbytes if self.data.device.type == "cpu" and not pin_memory else 0
 
@@ -121,7 +133,7 @@ class PagedKVCache:
 
     def layer(self, layer: int) -> torch.Tensor:
         """(2, KVH, N, bs, D) view of one layer's K and V."""
-        return self.data[layer]
+        return self.data[self._plane[layer]]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v of shape (T, KVH, D) at flat slots `slot_mapping` (T,)."""

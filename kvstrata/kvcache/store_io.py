@@ -46,6 +46,11 @@ class CacheStats:
     dropped_writes: int = 0
     orphaned_loads: int = 0            # loads whose request let go before they landed
     load_seconds: float = 0.0
+    # KV groups (kvstrata.kvcache.kv_groups): sliding pages let go as windows moved; hits a sliding group served
+    # with its window alone (its earlier pages gone); hits cut short because some group lacked its part
+    window_released: int = 0
+    window_hits: int = 0
+    window_cut_hits: int = 0
 
     def count(self, table: dict[str, int], key: str, n: int = 1) -> None:
         table[key] = table.get(key, 0) + n

@@ -74,6 +74,7 @@ from kvstrata.kvcache.block_pool import Block, BlockPool, PoolCounts
 from kvstrata.kvcache.block_tables import BlockTables
 from kvstrata.kvcache.growth import Growth
 from kvstrata.kvcache.guarded_mover import GuardedMover
+from kvstrata.kvcache.kv_groups import KVGroups
 from kvstrata.kvcache.loads import StoreLoads
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.transfers import BlockMover, Executor
@@ -98,8 +99,10 @@ class TierManager:
 
     def __init__(self, config: CacheConfig, num_device_blocks: int, num_host_blocks: int = 0,
                  store=None, mover: BlockMover | None = None, executor: Executor | None = None,
-                 clock: Callable[[], float] = time.monotonic, probe_wait: float = PROBE_WAIT_S):
+                 clock: Callable[[], float] = time.monotonic, probe_wait: float = PROBE_WAIT_S,
+                 groups: KVGroups | None = None, max_chunk_tokens: int | None = None):
         self.config = config
+        self.groups = groups if groups is not None and groups.num_groups > 1 else None   # None: one table a request
         self.block_size = config.block_size
         self.device = BlockPool(num_device_blocks, "device")
         self.host = BlockPool(num_host_blocks, "host") if num_host_blocks > 0 else None
@@ -118,9 +121,11 @@ class TierManager:
         self.write_back = WriteBack(config, self.device, self.host, self.store_io, moves, self.stats)
         self.admission = Admission(config, device=self.device, host=self.host, store_io=self.store_io,
                                    tables=self.tables, reservation=self.reservation, loads=self.loads,
-                                   write_back=self.write_back, moves=moves, stats=self.stats)
+                                   write_back=self.write_back, moves=moves, stats=self.stats, groups=self.groups,
+                                   max_chunk_tokens=max_chunk_tokens)
         self.growth = Growth(config, device=self.device, tables=self.tables, loads=self.loads,
-                             write_back=self.write_back, moves=moves, store_io=self.store_io)
+                             write_back=self.write_back, moves=moves, store_io=self.store_io, stats=self.stats,
+                             groups=self.groups)
 
     # ---- queries (pure) -------------------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
@@ -129,6 +134,18 @@ class TierManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table; read-only, and valid until its blocks next change."""
         return self.tables[request_id].block_ids
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """With KV groups, the block tables of groups 1.. (-1: a page a sliding group let go); read-only."""
+        return self.tables[request_id].extra_ids
+
+    def pages_for(self, num_blocks: int, max_chunk: int) -> int:
+        """Most pages a lone sequence of `num_blocks` blocks takes, computed `max_chunk` tokens at a time."""
+        groups = self.groups
+        if groups is None:
+            return num_blocks
+        return num_blocks + sum(groups.peak_blocks(group, num_blocks, max_chunk, self.block_size)
+                                for group in range(1, groups.num_groups))
 
     def is_loading(self, request_id: str) -> bool:
         return request_id in self.tables.loading
@@ -248,7 +265,7 @@ class TierManager:
 
     def audit(self) -> dict[str, PoolCounts]:
         """Check every pool against the block tables and transfer records; raise AuditError naming blocks."""
-        return audit_tiers(self.tables, self.loads.orphans, self.device, self.host, self.block_size)
+        return audit_tiers(self.tables, self.loads.orphans, self.device, self.host, self.block_size, self.groups)
 
     def snapshot(self, with_order: bool = True) -> tuple:
         return snapshot_tiers(self.tables, self.device, self.host, with_order)

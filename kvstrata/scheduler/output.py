@@ -18,6 +18,7 @@ class ScheduledChunk:
     sample: bool               # the chunk reaches the last token: its logits pick the next one
     forks: tuple[Request, ...] = ()   # samples of the request's family that fork from these logits
     draft_token_ids: tuple[int, ...] = ()   # the last len() of token_ids: drafts to verify (not in the ledger)
+    group_block_ids: list[list[int]] = ()   # with KV groups: the tables of groups 1.. (-1: a page let go)
 
     @property
     def num_tokens(self) -> int:

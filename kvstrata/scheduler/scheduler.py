@@ -98,9 +98,11 @@ class Scheduler:
                                   f"{request.max_total_tokens} ({request.num_prompt_tokens} in the prompt, "
                                   f"{request.sampling.max_tokens} in the completion); lower max_tokens",
                                   "max_tokens")
-        need = math.ceil((request.max_total_tokens - 1) / self.tiers.block_size)
+        blocks = math.ceil((request.max_total_tokens - 1) / self.tiers.block_size)
         shared = request.num_prompt_tokens // self.tiers.block_size
-        need += (len(samples) - 1) * (need - shared)     # the full prompt blocks are held once
+        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else request.num_prompt_tokens
+        need = self.tiers.pages_for(blocks, chunk)
+        need += (len(samples) - 1) * self.tiers.pages_for(blocks - shared, chunk)   # full prompt blocks held once
         if need > self.tiers.device.num_blocks:
             raise RequestRejected(f"the request may need {need} KV blocks but the device cache holds only "
                                   f"{self.tiers.device.num_blocks}; lower max_tokens (or n) or give the cache "
@@ -317,7 +319,8 @@ class Scheduler:
         forks = tuple(request.family.pending) if sample and request.family is not None else ()
         return ScheduledChunk(request, start, request.token_ids[start:start + num_new] + list(drafts),
                               self.tiers.block_ids(request.request_id), sample=sample, forks=forks,
-                              draft_token_ids=tuple(drafts))
+                              draft_token_ids=tuple(drafts),
+                              group_block_ids=self.tiers.group_block_ids(request.request_id))
 
     # ---- after the step -------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int],

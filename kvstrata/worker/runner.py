@@ -18,6 +18,7 @@ import torch
 from kvstrata.core.config import CacheConfig
 from kvstrata.core.outputs import TokenLogprob
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
+from kvstrata.kvcache.kv_groups import kv_groups_for
 from kvstrata.kvcache.mover import TierBuffers, host_cache
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
 from kvstrata.model.adapters.lora import LoRAWeights, group_rows
@@ -65,6 +66,19 @@ class StepResult:
     accepted: dict[str, int] = field(default_factory=dict)
 
 
+def _table(chunks: list[ScheduledChunk], table_of, seq_lens: np.ndarray, width: int, seq_of_token: np.ndarray,
+           positions: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One KV group's block tables (B, width), padded with 0, and the slots its tokens' K/V go to. A page a
+    sliding group let go (-1) reads as block 0: its window's start keeps every query off it."""
+    tables = np.zeros((len(chunks), width), dtype=np.int64)
+    for row, chunk in enumerate(chunks):
+        used = -(-int(seq_lens[row]) // size)
+        tables[row, :used] = table_of(chunk)[:used]
+    slots = tables[seq_of_token, positions // size] * size + positions % size
+    assert slots.min(initial=0) >= 0, "a token's K/V would go to a page its group let go"
+    return np.maximum(tables, 0, out=tables), slots
+
+
 def prompt_logprob_positions(chunk: ScheduledChunk) -> range:
     """Positions of `chunk` whose logits score the prompt's next token (a prompt of n tokens has
     n - 1 of them: nothing predicts its first token, and its last position predicts the output)."""
@@ -83,7 +97,9 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = config.block_size
-        self.spec = KVCacheSpec.for_model(loaded.arch, config.block_size, loaded.kv_dtype)
+        self.kv_groups = kv_groups_for(loaded.arch.windows or [None] * loaded.arch.num_layers,
+                                       lower_tiers=config.has_lower_tiers, swa_full=config.swa_full)
+        self.spec = KVCacheSpec.for_model(loaded.arch, config.block_size, loaded.kv_dtype, self.kv_groups)
         self.num_device_blocks = device_blocks_for(config, self.spec)
         self.kv = PagedKVCache(self.spec, self.num_device_blocks, self.device)
         self.num_host_blocks = host_blocks_for(config, self.spec)
@@ -96,6 +112,12 @@ class ModelRunner:
         self.decodes_in_place = self.model.attn.reads_in_place(self.block_size, loaded.dtype, self.device)
         logger.info("decode attention: %s", "the paged kernel, blocks read in place" if self.decodes_in_place
                     else "blocks gathered, then torch's SDPA")
+        if self.kv_groups.num_groups > 1:
+            logger.info("KV cache groups: %d of %d layers, a sliding group keeps its last %d tokens on the device",
+                        self.kv_groups.num_groups, self.kv_groups.layers_per_page, loaded.arch.sliding_window)
+        elif loaded.arch.sliding_window is not None and any(w is None for w in loaded.arch.windows):
+            logger.info("KV cache: every layer at full length (%s)", "--swa-full" if config.swa_full else
+                        "a host tier or store keeps whole blocks; sliding-window groups need neither yet")
         logger.info("KV cache: %d device blocks of %d tokens (%.1f MiB), %d host blocks (%.1f MiB)",
                     self.num_device_blocks, self.block_size, self.kv.nbytes / 2**20, self.num_host_blocks,
                     self.num_host_blocks * self.spec.bytes_per_block / 2**20)
@@ -165,12 +187,10 @@ class ModelRunner:
         positions = np.concatenate([np.arange(c.start, c.start + c.num_tokens) for c in chunks])
         seq_lens = starts + lengths
         width = int(-(-seq_lens.max() // size))
-        tables = np.zeros((len(chunks), width), dtype=np.int64)
-        for row, chunk in enumerate(chunks):
-            used = -(-int(seq_lens[row]) // size)
-            tables[row, :used] = chunk.block_ids[:used]
         seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
-        slots = tables[seq_of_token, positions // size] * size + positions % size
+        tables, slots = _table(chunks, lambda c: c.block_ids, seq_lens, width, seq_of_token, positions, size)
+        group_tables = [_table(chunks, lambda c, k=k: c.group_block_ids[k], seq_lens, width, seq_of_token, positions,
+                               size) for k in range(len(chunks[0].group_block_ids))]
         input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(lengths.sum()))
         # Rows whose logits come back: chunks that sample (their last row), then chunks with drafts
         # (every row), then prompt logprobs.
@@ -184,6 +204,7 @@ class ModelRunner:
         lora = group_rows([None if a is None else adapters[a.digest] for a in refs], lengths.tolist(),
                           self.device) if any(refs) else None
         return ForwardBatch(
+            group_tables=[(to(t), to(s)) for t, s in group_tables],
             input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),
             block_tables=to(tables), seq_lens=to(seq_lens), query_start_loc=query_start.tolist(),
             num_decodes=int((lengths == 1).sum()),

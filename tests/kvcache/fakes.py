@@ -36,8 +36,11 @@ EOS = VOCAB  # outside the fake vocabulary: generation ends by length unless a t
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int):
+    """With KV groups, `windows` holds each group's window: a group's pages are checked over what its rows read."""
+
+    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None] = (None,)):
         self.block_size = block_size
+        self.windows = windows
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.num_steps = 0
         self.accepted: dict[str, int] = {}      # the last step's accepted drafts, by request
@@ -47,16 +50,22 @@ class FakeRunner:
         self.accepted = {}
         size = self.block_size
         for chunk in output.chunks:
-            table = np.asarray(chunk.block_ids, dtype=np.int64)
+            assert len(chunk.group_block_ids) == len(self.windows) - 1, "a block table for every KV group"
             new_pos = np.arange(chunk.start, chunk.start + chunk.num_tokens)
-            assert len(table) * size >= new_pos[-1] + 1, "block table too short for the chunk"
-            self.kv[table[new_pos // size], new_pos % size] = chunk.token_ids
             context_pos = np.arange(chunk.start + chunk.num_tokens)
-            seen = self.kv[table[context_pos // size], context_pos % size]
             expected = np.asarray((chunk.request.token_ids + list(chunk.draft_token_ids))[:len(context_pos)])
-            bad = np.nonzero(seen != expected)[0]
-            assert not len(bad), (f"{chunk.request.request_id}: KV at positions {bad[:8].tolist()} "
-                                  f"holds {seen[bad[:8]].tolist()}, expected {expected[bad[:8]].tolist()}")
+            for ids, window in zip([chunk.block_ids, *chunk.group_block_ids], self.windows):
+                table = np.asarray(ids, dtype=np.int64)
+                assert len(table) * size >= new_pos[-1] + 1, "block table too short for the chunk"
+                read = context_pos[max(0, chunk.start - window + 1):] if window else context_pos
+                assert not window or (table[read // size] >= 0).all(), \
+                    f"{chunk.request.request_id} reads a page it let go"
+                self.kv[table[new_pos // size], new_pos % size] = chunk.token_ids
+                seen = self.kv[table[read // size], read % size]
+                bad = np.nonzero(seen != (expected[read] if window else expected))[0]
+                assert not len(bad), (f"{chunk.request.request_id}: KV at positions {read[bad[:8]].tolist()} "
+                                      f"holds {seen[bad[:8]].tolist()}, expected {expected[read][bad[:8]].tolist()}")
+            seen = expected
             if chunk.sample:
                 drafts = chunk.draft_token_ids
                 known = len(seen) - len(drafts)
@@ -119,7 +128,7 @@ def make_family(family_id: str, prompt: list[int], n: int, max_tokens: int = 4, 
 
 def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 16, max_model_len: int = 64, policy: str = "fcfs",
-                   prefix_caching: bool = True, chunked: bool = True, mover=None, **cache) -> Scheduler:
+                   prefix_caching: bool = True, chunked: bool = True, mover=None, groups=None, **cache) -> Scheduler:
     cache_config = CacheConfig(block_size=block_size, num_device_blocks=num_blocks,
                                enable_prefix_caching=prefix_caching, **cache)
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -127,7 +136,9 @@ def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int 
                                        enable_chunked_prefill=chunked)
     cache_config.validate()
     scheduler_config.validate()
-    return Scheduler(scheduler_config, TierManager(cache_config, num_blocks, mover=mover), eos_token_ids=[EOS])
+    return Scheduler(scheduler_config, TierManager(cache_config, num_blocks, mover=mover, groups=groups,
+                                                   max_chunk_tokens=max_num_batched_tokens if chunked else None),
+                     eos_token_ids=[EOS])
 
 
 def step(scheduler: Scheduler, runner: FakeRunner,

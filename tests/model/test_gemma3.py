@@ -50,7 +50,8 @@ MIXED_5BIT = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output
 
 def test_greedy_outputs_at_its_bits_are_the_same_with_every_cache_feature_on_as_off(tmp_path):
     """Prompts eight windows long: prefix caching, a host tier and the disk store, preemption, a restart over the
-    store, a prefill/decode handoff through the store and speculative decoding, against none of them."""
+    store, a prefill/decode handoff through the store and speculative decoding, and the sliding layers keeping
+    their window only (KV groups, with prefix hits and preemption), against none of them and full-length KV."""
     hf = save_tiny_hf_model(tmp_path / "hf", TINY_GEMMA3, seed=5)
     path = tmp_path / "Tiny-Gemma3.Q5_0.gguf"
     write_tiny_gguf(path, hf, MIXED_5BIT)
@@ -67,8 +68,10 @@ def test_greedy_outputs_at_its_bits_are_the_same_with_every_cache_feature_on_as_
         engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, block_size=4, **options), loaded=loaded)
         outs = engine.generate(prompts[:3], params) + engine.generate([filler], params)   # pushes them down
         outs += engine.generate(prompts[3:], params)
-        counts = {**engine.tiers.stats.hit_tokens, "accepted": sum(out.num_accepted_draft_tokens for out in outs),
-                  "preempted": engine.scheduler.num_preemptions}
+        stats = engine.tiers.stats
+        counts = {**stats.hit_tokens, "accepted": sum(out.num_accepted_draft_tokens for out in outs),
+                  "preempted": engine.scheduler.num_preemptions, "released": stats.window_released,
+                  "window_hits": stats.window_hits, "groups": engine.tiers.groups is not None}
         engine.close()
         return [out.new_token_ids for out in outs], counts
 
@@ -88,15 +91,20 @@ def test_greedy_outputs_at_its_bits_are_the_same_with_every_cache_feature_on_as_
         decode.close()
         return [out.new_token_ids for out in outs], loaded_tokens
 
-    plain, plain_hits = run(num_device_blocks=256, enable_prefix_caching=False)
+    plain, plain_hits = run(num_device_blocks=256, enable_prefix_caching=False, swa_full=True)
+    grouped, windowed = run(num_device_blocks=80, max_num_batched_tokens=16)
     cached, hits = run(num_device_blocks=32, num_host_blocks=64, store="disk", store_path=store)
     restarted, again = run(num_device_blocks=48, store="disk", store_path=store)
     drafted, accepted = run(num_device_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                  "prompt_lookup_max": 3, "prompt_lookup_min": 2})
     decoded, handed = handed_over()
-    assert sum(plain_hits.values()) == 0 and hits["host"] > 0 and again["store"] > 0, (hits, again)
+    assert not plain_hits["groups"] and not hits["groups"] and windowed["groups"] and accepted["groups"]
+    assert plain_hits["device"] + plain_hits["released"] == 0 and hits["host"] > 0 and again["store"] > 0, (hits, again)
+    assert windowed["device"] > 0 and windowed["preempted"] > 0 and windowed["released"] > 0, windowed
+    assert windowed["window_hits"] > 0, windowed
     assert hits["preempted"] > 0 and accepted["accepted"] > 0 and handed > 0, (hits, accepted, handed)
     assert all(len(out) == 24 for out in plain) and cached == plain and restarted == plain and drafted == plain
+    assert grouped == plain
     assert decoded == plain[:3] + plain[4:]         # the filler is not handed over
 
 

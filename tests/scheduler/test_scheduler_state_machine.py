@@ -127,12 +127,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             drain(self.scheduler, self.runner)
 
 
-def run_machine(examples: int, steps: int) -> Counter:
-    REACHED.clear()
-    run_state_machine_as_test(SchedulerMachine, settings=settings(
+def run_machine(examples: int, steps: int, machine: type = SchedulerMachine, reached: Counter = REACHED) -> Counter:
+    """Run `machine` (this one, or a subclass counting into its own `reached`); what the runs reached."""
+    reached.clear()
+    run_state_machine_as_test(machine, settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
-    return Counter(REACHED)
+    return Counter(reached)
 
 
 def test_scheduler_keeps_its_books_and_reaches_every_hard_state():

@@ -17,8 +17,8 @@ BS = 16
 
 def chunk(start: int, n: int, blocks: list[int]) -> SimpleNamespace:
     """A `ScheduledChunk` as the runner and BatchShape read it."""
-    return SimpleNamespace(start=start, token_ids=[1] * n, block_ids=blocks, num_tokens=n, sample=True,
-                           draft_token_ids=(),
+    return SimpleNamespace(start=start, token_ids=[1] * n, block_ids=blocks, group_block_ids=(), num_tokens=n,
+                           sample=True, draft_token_ids=(),
                            request=SimpleNamespace(wants_prompt_logprobs=False, adapter=None))
 
 

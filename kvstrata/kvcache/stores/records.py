@@ -102,7 +102,7 @@ def encode_record(spec: KVCacheSpec, model_fingerprint: str, block_hash: bytes, 
     if payload.nbytes != spec.bytes_per_block:
         raise ValueError(f"block payload has {payload.nbytes} bytes, expected {spec.bytes_per_block}")
     header = HEADER.pack(MAGIC, RECORD_VERSION, _fingerprint_digest(model_fingerprint), bytes(block_hash),
-                         _dtype_name(spec), spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                         _dtype_name(spec), spec.page_layers, spec.num_kv_heads, spec.head_dim,
                          spec.block_size, payload.nbytes)
     tokens = encode_tokens(token_ids)
     padding = bytes(_payload_offset(spec.block_size) - HEADER.size - len(tokens))
@@ -134,7 +134,7 @@ def decode_record(data: bytes | bytearray | memoryview, spec: KVCacheSpec, model
     if fingerprint != _fingerprint_digest(model_fingerprint):
         raise RecordError("fingerprint", "record written by another model")
     layout = (dtype.rstrip(b"\0"), num_layers, num_kv_heads, head_dim, block_size, payload_len)
-    expected = (_dtype_name(spec), spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
+    expected = (_dtype_name(spec), spec.page_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
                 spec.bytes_per_block)
     if layout != expected:
         raise RecordError("layout", f"record layout {layout} differs from the cache's {expected}")

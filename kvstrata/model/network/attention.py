@@ -67,9 +67,9 @@ from kvstrata.model.network.forward_batch import DecodeGroup, ForwardBatch
 class PrefillChunk:
     start: int                     # first token row of the chunk in the batch
     end: int                       # one past its last row
-    rows: torch.Tensor | None      # gather rows (see _gather_rows) of the blocks holding keys 0..seq_len-1;
-                                   # None: the chunk is the whole context
-    mask: torch.Tensor | None      # (n, nblk * bs) additive: 0 where a query may see a key, -inf elsewhere
+    rows: torch.Tensor | None      # gather rows (see _gather_rows) of the blocks holding keys 0..seq_len-1 (a
+                                   # sliding layer's: from its window's first block); None: the whole context
+    mask: torch.Tensor | None      # (n, keys gathered) additive: 0 where a query may see a key, -inf elsewhere
 
 
 @dataclass
@@ -238,10 +238,11 @@ class PagedAttention:
                 prefills.append(PrefillChunk(start, end, None, own_mask))
                 continue
             nblk = -(-seq_len // block_size)
-            keys = torch.arange(nblk * block_size, device=device)
+            lo = 0 if window is None else max(0, seq_len - n - window + 1) // block_size   # the window's first block
+            keys = torch.arange(lo * block_size, nblk * block_size, device=device)
             last_visible = torch.arange(seq_len - n, seq_len, device=device)
-            mask = _additive(_visible(keys[None, :], last_visible[:, None], window), dtype)   # (n, nblk * bs)
-            prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, :nblk], planes, num_blocks),
+            mask = _additive(_visible(keys[None, :], last_visible[:, None], window), dtype)   # (n, keys)
+            prefills.append(PrefillChunk(start, end, _gather_rows(batch.block_tables[b, lo:nblk], planes, num_blocks),
                                          mask))
         return AttentionPlan(batch.slot_mapping, nd, decode_rows, grouped, own, prefixes, prefills, in_place, rows)
 

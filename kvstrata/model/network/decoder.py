@@ -14,7 +14,7 @@ is which of our kernels this model runs with. `DecoderModel` takes both and pick
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -97,15 +97,20 @@ class DecoderModel:
         assert kv.spec.dtype == self.dtype, f"KV cache is {kv.spec.dtype}, model is {self.dtype}"
         plan = self.attn.plan(batch, kv.block_size, kv.num_blocks, self.dtype)
         cos, sin = self.rope.lookup(batch.positions)                 # (T, 1, D) each
-        sliding = None
+        sliding, plans = None, ()
+        if kv.spec.groups is not None:      # each KV group's plan reads its own block tables
+            plans = (plan,) + tuple(self.attn.plan(replace(batch, block_tables=tables, slot_mapping=slots,
+                                                           decode_groups=[]), kv.block_size, kv.num_blocks,
+                                                   self.dtype, window)
+                                    for (tables, slots), window in zip(batch.group_tables, kv.spec.groups.windows[1:]))
         if self.arch.sliding_window is not None:
             local = self.local_rope.lookup(batch.positions) if self.local_rope is not self.rope else (cos, sin)
-            sliding = Sliding(*local, self.attn.plan(batch, kv.block_size, kv.num_blocks, self.dtype,
-                                                     self.arch.sliding_window))
+            sliding = Sliding(*local, None if plans else self.attn.plan(batch, kv.block_size, kv.num_blocks,
+                                                                        self.dtype, self.arch.sliding_window))
         h = F.embedding(batch.input_ids, self.embed_tokens)         # (T, E)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        h = self.loop(h, Step(cos, sin, plan, kv, batch.lora, sliding))
+        h = self.loop(h, Step(cos, sin, plan, kv, batch.lora, sliding, plans))
         h = rms_norm(h[batch.logits_indices], self.norm, self.arch.rms_norm_eps, self.norm_stat_dtype,
                      self.norm_act)                                 # (S, E)
         return self.head(h).float()                                 # (S, vocab)

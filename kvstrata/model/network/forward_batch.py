@@ -40,6 +40,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor   # (S,) int64, token rows whose logits are returned, in order
     decode_groups: list[DecodeGroup] = field(default_factory=list)   # back to back from row 0
     lora: LoRABatch | None = None  # the rows that run under an adapter (kvstrata.model.adapters); None: all base
+    # With KV groups (kvstrata.kvcache.kv_groups), groups 1..'s block tables and slot mappings, shaped as above
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

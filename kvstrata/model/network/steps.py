@@ -59,7 +59,7 @@ class Sliding:
 
     cos: torch.Tensor
     sin: torch.Tensor
-    plan: AttentionPlan
+    plan: AttentionPlan | None          # None with KV groups: each group's plan is in `Step.plans`
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,15 @@ class Step:
     kv: PagedKVCache
     lora: LoRABatch | None
     sliding: Sliding | None = None
+    plans: tuple[AttentionPlan, ...] = ()   # with KV groups (kv.spec.groups): each group's, over its block tables
 
     def of(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
         """The RoPE rows and plan `layer` reads."""
-        if layer.window is None:
-            return self.cos, self.sin, self.plan
-        return self.sliding.cos, self.sliding.sin, self.sliding.plan
+        cos, sin, plan = (self.cos, self.sin, self.plan) if layer.window is None else \
+            (self.sliding.cos, self.sliding.sin, self.sliding.plan)
+        if self.plans:
+            plan = self.plans[self.kv.spec.groups.group_of[layer.index]]
+        return cos, sin, plan
 
 
 class StepLoop:
@@ -132,7 +135,8 @@ class KernelLoop(StepLoop):
         with the K/V write and the paged kernel for every row, the same bits as torch's ops and
         `PagedAttention.__call__` (~25 fewer ops a layer)."""
         model = self.model
-        return step.plan.kernel_only and model.attn.reads_in_place(step.kv.block_size, model.dtype, model.device)
+        return (not step.plans and step.plan.kernel_only
+                and model.attn.reads_in_place(step.kv.block_size, model.dtype, model.device))
 
     def run(self, h: torch.Tensor, step: Step) -> torch.Tensor:
         model, a, plan = self.model, self.model.arch, step.plan
