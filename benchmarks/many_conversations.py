@@ -12,7 +12,9 @@ streamed, a fixed-length answer. The answers are the same tokens for every syste
 text back), so each turn's prompt extends the last. Every system has device KV for about a quarter of
 the working set (`--device-share`):
 - `kvstrata`: that device cache, a host tier of `--host-share` of the working set and the disk store below;
-- `kvstrata-no-tiers`: the device cache alone (prefix caching on);
+- `kvstrata-no-tiers`: the device cache alone (prefix caching on; a hybrid shape's sliding layers keep their
+  window only, in KV groups);
+- `kvstrata-swa-full`: the same with every layer at full length (`--swa-full`; not in the default systems);
 - `llama-server`: `-c` of that many tokens, as its users start it (`-np 16 -kvu`; its host-memory prompt
   cache, `--cache-ram`, 8 GiB by default, is on), on a GGUF of kvstrata's dummy weights (`--gguf-type`);
 - `vllm`: `--kv-cache-memory-bytes` of that size, prefix caching on (it has no tier below).
@@ -41,7 +43,7 @@ from kvstrata.core.machine import machine
 from kvstrata.core.shapes import shipped_config
 from resume_after_restart import ask
 
-SYSTEMS = ("kvstrata", "kvstrata-no-tiers", "llama-server", "vllm")
+SYSTEMS = ("kvstrata", "kvstrata-no-tiers", "kvstrata-swa-full", "llama-server", "vllm")
 PORT = 18660
 QUESTION, ANSWER = 24, 32
 logger = logging.getLogger("conversations")
@@ -78,6 +80,8 @@ def make_server(name: str, args: argparse.Namespace, scratch: Path, device_bytes
                                 shape=args.shape)
     if name == "kvstrata-no-tiers":
         return servers.kvstrata(name, PORT, "--kv-cache-memory", str(device_bytes), shape=args.shape)
+    if name == "kvstrata-swa-full":      # a hybrid shape's sliding layers at full length, as before KV groups
+        return servers.kvstrata(name, PORT, "--kv-cache-memory", str(device_bytes), "--swa-full", shape=args.shape)
     if name == "llama-server":
         return servers.llama_server(name, PORT, shape=args.shape, gguf_type=args.gguf_type, ctx=device_tokens)
     return servers.vllm(name, PORT, shape=args.shape, kv_bytes=device_bytes, max_model_len=device_tokens)
@@ -139,7 +143,8 @@ def table(results: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.2-1b", help="the dummy shape every system serves")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != "kvstrata-swa-full"),
+                        help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--context", type=int, default=2000, help="tokens of each conversation's own context")
     parser.add_argument("--revisits", type=int, default=48, help="turns after every conversation's first")
