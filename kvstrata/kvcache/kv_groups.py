@@ -15,6 +15,7 @@ layout (a model whose every layer slides keeps full-length KV: nothing else to g
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ class KVGroups:
     def num_layers(self) -> int:
         return self.num_groups * self.layers_per_page
 
-    @property
+    @functools.cached_property
     def page_slot(self) -> tuple[int, ...]:
         """Each layer's place within its group's pages."""
         slots = [0] * self.num_layers
@@ -77,7 +78,7 @@ class KVGroups:
                 slots[layer] = slot
         return tuple(slots)
 
-    @property
+    @functools.cached_property
     def group_of(self) -> tuple[int, ...]:
         """Each layer's group."""
         of = [0] * self.num_layers
@@ -86,7 +87,7 @@ class KVGroups:
                 of[layer] = index
         return tuple(of)
 
-    @property
+    @functools.cached_property
     def windows(self) -> tuple[int | None, ...]:
         return tuple(group.window for group in self.groups)
 

@@ -100,7 +100,8 @@ class Scheduler:
                                   "max_tokens")
         blocks = math.ceil((request.max_total_tokens - 1) / self.tiers.block_size)
         shared = request.num_prompt_tokens // self.tiers.block_size
-        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else request.num_prompt_tokens
+        # the most it computes in one step: a chunk, or unchunked, its whole sequence once resumed after a preemption
+        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else request.max_total_tokens
         need = self.tiers.pages_for(blocks, chunk)
         need += (len(samples) - 1) * self.tiers.pages_for(blocks - shared, chunk)   # full prompt blocks held once
         if need > self.tiers.device.num_blocks:

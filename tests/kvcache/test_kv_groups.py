@@ -154,3 +154,21 @@ def test_sliding_pages_no_likely_hit_reads_are_evicted_first():
     assert not any(page.published for page in evicted)                  # group 1's pages only
     again = drive(scheduler, runner, requests=[make_request("b", prompt, max_tokens=8, block_size=2)])
     assert again["b"] == first["a"] and scheduler.tiers.stats.hit_tokens["device"] == 18
+
+
+def test_a_request_is_refused_unless_its_every_group_fits_when_it_is_recomputed_whole():
+    """Without chunked prefill, a request resumed after a preemption recomputes its whole sequence in one step, and a
+    sliding group holds every page of it until the step is done: 8 blocks of 17 tokens need 16 pages, not 15 (a
+    pool of 15 accepted it and never finished it: the machine found that)."""
+    groups = KVGroups.for_windows([None, 4])
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 0]
+    for num_blocks, fits in ((15, False), (16, True)):
+        runner = FakeRunner(num_blocks, 2, groups.windows)
+        scheduler = make_scheduler(num_blocks=num_blocks, block_size=2, chunked=False, max_num_batched_tokens=24,
+                                   max_model_len=24, groups=groups, mover=FakeMover(runner, 0))
+        request = make_request("r", prompt, max_tokens=8, block_size=2)
+        if not fits:
+            with pytest.raises(ValueError, match="KV blocks"):
+                scheduler.add_request(request)
+            continue
+        assert len(drive(scheduler, runner, requests=[request])["r"]) == 8
