@@ -61,6 +61,7 @@ Only this class and its parts call the pools; the scheduler sees block ids and c
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -139,8 +140,15 @@ class TierManager:
         """With KV groups, the block tables of groups 1.. (-1: a page a sliding group let go); read-only."""
         return self.tables[request_id].extra_ids
 
-    def pages_for(self, num_blocks: int, max_chunk: int) -> int:
-        """Most pages a lone sequence of `num_blocks` blocks takes, computed `max_chunk` tokens at a time."""
+    def pages_for(self, request: Request, num_samples: int, max_chunk: int) -> int:
+        """Most pages `request` and its family's `num_samples` samples take alone, each computing at most
+        `max_chunk` tokens a step (the full prompt blocks held once)."""
+        blocks = math.ceil((request.max_total_tokens - 1) / self.block_size)
+        shared = request.num_prompt_tokens // self.block_size
+        return self._pages(blocks, max_chunk) + (num_samples - 1) * self._pages(blocks - shared, max_chunk)
+
+    def _pages(self, num_blocks: int, max_chunk: int) -> int:
+        """Most pages one sequence of `num_blocks` blocks takes, computed `max_chunk` tokens at a time."""
         groups = self.groups
         if groups is None:
             return num_blocks

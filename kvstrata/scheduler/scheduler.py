@@ -24,7 +24,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 from kvstrata.core.config import SchedulerConfig, SpeculativeConfig
@@ -98,12 +97,9 @@ class Scheduler:
                                   f"{request.max_total_tokens} ({request.num_prompt_tokens} in the prompt, "
                                   f"{request.sampling.max_tokens} in the completion); lower max_tokens",
                                   "max_tokens")
-        blocks = math.ceil((request.max_total_tokens - 1) / self.tiers.block_size)
-        shared = request.num_prompt_tokens // self.tiers.block_size
         # the most it computes in one step: a chunk, or unchunked, its whole sequence once resumed after a preemption
         chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else request.max_total_tokens
-        need = self.tiers.pages_for(blocks, chunk)
-        need += (len(samples) - 1) * self.tiers.pages_for(blocks - shared, chunk)   # full prompt blocks held once
+        need = self.tiers.pages_for(request, len(samples), chunk)
         if need > self.tiers.device.num_blocks:
             raise RequestRejected(f"the request may need {need} KV blocks but the device cache holds only "
                                   f"{self.tiers.device.num_blocks}; lower max_tokens (or n) or give the cache "
