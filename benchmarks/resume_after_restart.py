@@ -72,7 +72,8 @@ async def ask(server: servers.Server, prompt: list[int], max_tokens: int, **extr
     if not result.ok:
         raise RuntimeError(f"{server.label}: {result.error}")
     return {"ttft_s": round(result.ttft, 3), "prompt_tokens": result.prompt_tokens,
-            "cached_tokens": result.cached_tokens, "output_tokens": result.output_tokens}
+            "cached_tokens": result.cached_tokens, "output_tokens": result.output_tokens,
+            "tpot_s": None if result.tpot is None else round(result.tpot, 5)}
 
 
 def slot(server: servers.Server, action: str) -> float:

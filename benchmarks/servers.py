@@ -78,9 +78,9 @@ class Server:
                 self.process.wait()
 
 
-def kvstrata(label: str, port: int, *flags: str, shape: str | None = None) -> Server:
-    """`kvstrata serve` on the default model, or on `shape`'s dummy weights."""
-    model = ("--load-format", "dummy", "--model", shape) if shape else ()
+def kvstrata(label: str, port: int, *flags: str, shape: str | None = None, model: str | None = None) -> Server:
+    """`kvstrata serve` on the default model, on `shape`'s dummy weights, or on `model` (a name or a file)."""
+    model = ("--load-format", "dummy", "--model", shape) if shape else ("--model", model) if model else ()
     return Server(label, port, [str(BIN / "kvstrata"), "serve", *model, "--threads", str(THREADS),
                                 "--port", str(port), *flags])
 
@@ -102,12 +102,15 @@ def vllm(label: str, port: int, *flags: str, shape: str | None = None, kv_bytes:
 
 
 def llama_server(label: str, port: int, *flags: str, shape: str | None = None, gguf_type: str = "q8_0",
-                 ctx: int = 16384) -> Server:
+                 ctx: int = 16384, gguf: Path | None = None) -> Server:
     """llama-server as its users start it (`-np 16 -kvu`, its prompt caches at their defaults) on the default
-    model's Q4_1 GGUF, or on a GGUF of `shape`'s dummy weights in `gguf_type`; `ctx` tokens of KV."""
+    model's Q4_1 GGUF, on a GGUF of `shape`'s dummy weights in `gguf_type`, or on the file `gguf`; `ctx` tokens
+    of KV."""
     env = {"CTX": str(ctx)}
     if shape:
         env.update(GGUF=str(dummy_gguf(shape, gguf_type)), ALIAS=shape)
+    elif gguf is not None:
+        env.update(GGUF=str(gguf), ALIAS=gguf.stem)
     return Server(label, port, [str(PEERS / "serve_llama_server.sh"), str(port), *flags], env)
 
 

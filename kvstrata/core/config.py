@@ -138,12 +138,6 @@ class CacheConfig:
     swa_full: bool = _opt(False, "keep every sliding-window layer's KV at full length (llama.cpp's --swa-full); "
                                  "by default a hybrid model's sliding layers keep only their window on the device")
 
-    @property
-    def has_lower_tiers(self) -> bool:
-        """Whether a host tier or a store sits below the device."""
-        return bool(self.num_host_blocks if self.num_host_blocks is not None else self.host_cache_memory) \
-            or self.store != "none"
-
     def validate(self) -> None:
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  f"block_size must be a power of two, not {self.block_size}")

@@ -81,6 +81,7 @@ class Request:
     num_cached_tokens: int = -1    # prompt tokens served from cache at first admission; -1 until admitted
     first_scheduled_time: float | None = None      # monotonic time of the first step that computed it
     num_preemptions: int = 0
+    device_hits_only: bool = False  # its next admission takes device hits only (KV groups: a lower tier failed it)
     family: SampleFamily | None = None              # the samples of one request that share its prefill
     sample_index: int = 0
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # sampling.bad_words as the tokenizer spells them

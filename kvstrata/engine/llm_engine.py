@@ -86,7 +86,7 @@ class LLMEngine:
                                  if config.scheduler.enable_chunked_prefill else None)
         self.scheduler = Scheduler(config.scheduler, self.tiers, self.loaded.eos_token_ids,
                                    speculative=config.speculative_config)
-        self.hasher = BlockHasher.create(config.cache.block_size, self.loaded.fingerprint, config.cache.cache_salt)
+        self.hasher = BlockHasher.create(config.cache.block_size, self.runner.fingerprint, config.cache.cache_salt)
         self.adapters = Adapters(config.lora, self.loaded, self.hasher)
         self.stats = EngineStats()
         self._tracked: dict[str, Tracked] = {}

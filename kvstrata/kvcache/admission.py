@@ -18,8 +18,9 @@ from kvstrata.core.hashing import BlockHash
 from kvstrata.core.request import Request, RequestStatus
 from kvstrata.kvcache.block_pool import Block, BlockPool, BlockState, EvictedBlock
 from kvstrata.kvcache.block_tables import BlockTables, PendingFork, RequestBlocks
+from kvstrata.kvcache.group_match import GroupHit, GroupMatcher
 from kvstrata.kvcache.guarded_mover import GuardedMover
-from kvstrata.kvcache.kv_groups import KVGroups, group_hash
+from kvstrata.kvcache.kv_groups import KVGroups
 from kvstrata.kvcache.loads import StoreLoads
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.write_back import WriteBack
@@ -40,13 +41,24 @@ class AdmissionPlan:
     reserve: int                       # blocks kept back for decode growth
     forks: list[Request] = field(default_factory=list)    # a leader's samples waiting to fork
     num_fork_blocks: int = 0           # their copies of the partly filled last prompt block
-    extra_hits: list[list[Block | None]] = field(default_factory=list)   # KV groups 1..: their tables' hit part
-    num_extra_new: int = 0             # KV groups 1..: pages for the new blocks, and the forks' copies
-    num_cut_blocks: int = 0            # device hits of group 0 some other group could not serve
+    # KV groups 1..: their part of the hit (kvstrata.kvcache.group_match), and their pages for the new blocks and
+    # the forks' copies; hits of group 0 some other group could not serve
+    extra: GroupHit | None = None
+    num_extra_new: int = 0
+    num_cut_blocks: int = 0
 
     @property
     def num_loads(self) -> int:
+        """Group 0's blocks to load (every group's, with `num_extra_loads`)."""
         return len(self.load_host) + len(self.load_store)
+
+    @property
+    def extra_hits(self) -> list[list[Block | None]]:
+        return self.extra.tables if self.extra is not None else []
+
+    @property
+    def num_extra_loads(self) -> int:
+        return len(self.extra.host) + len(self.extra.store) if self.extra is not None else 0
 
     @property
     def num_hit_tokens(self) -> int:
@@ -56,7 +68,7 @@ class AdmissionPlan:
     @property
     def num_blocks_taken(self) -> int:
         return (self.num_touched_cached + self.num_loads + self.num_new_blocks + self.num_fork_blocks
-                + self.num_extra_new)
+                + self.num_extra_new + self.num_extra_loads)
 
     @property
     def touched(self) -> list[Block]:
@@ -117,8 +129,9 @@ class Admission:
                  store_io: StoreIO | None, tables: BlockTables, reservation: DecodeReservation,
                  loads: StoreLoads, write_back: WriteBack, moves: GuardedMover | None, stats: CacheStats,
                  groups: KVGroups | None = None, max_chunk_tokens: int | None = None):
-        assert groups is None or (host is None and store_io is None), "KV groups keep no lower tier yet"
         self.groups = groups if groups is not None and groups.num_groups > 1 else None
+        self.matcher = None if self.groups is None else GroupMatcher(self.groups, config.block_size, device, host,
+                                                                     store_io)
         self.max_chunk_tokens = max_chunk_tokens      # the most tokens of a request one step computes (None: all)
         self.config = config
         self.block_size = config.block_size
@@ -164,41 +177,13 @@ class Admission:
         """The request's prefix hit, tier by tier: device blocks, then host blocks, then store hashes."""
         limit = self._max_hit_blocks(request)
         hits = self._match(self.device, request, 0, limit)
+        if request.device_hits_only:
+            return hits, [], []
         host = self._match(self.host, request, len(hits), limit)
         start = len(hits) + len(host)
         store = [] if self.store_io is None else self.store_io.hits(request.request_id, request.block_hashes,
                                                                      start, limit)
         return hits, host, store
-
-    def _group_hits(self, request: Request, hits: list[Block]) -> tuple[list[Block], list[list[Block | None]]]:
-        """The longest part of group 0's device hit every other group serves too: a global group every block
-        of it, a sliding group the blocks its window reads from the first uncached token on (the pages before
-        may be gone). Group 0's hit cut to it, and each other group's table for it (None before its window)."""
-        size, groups = self.block_size, self.groups
-        found: dict[tuple[int, int], Block | None] = {}       # each page looked up once, however far L steps down
-
-        def page(group: int, index: int) -> Block | None:
-            if (group, index) not in found:
-                found[group, index] = self.device.lookup(group_hash(request.block_hashes[index], group),
-                                                         request.token_ids[index * size:(index + 1) * size])
-            return found[group, index]
-
-        for length in range(len(hits), -1, -1):
-            tables = []
-            for group in range(1, groups.num_groups):
-                first = groups.first_needed(group, length * size, size)
-                table: list[Block | None] = [None] * first
-                for index in range(first, length):
-                    block = page(group, index)
-                    if block is None:
-                        break
-                    table.append(block)
-                if len(table) < length:
-                    break
-                tables.append(table)
-            else:
-                return hits[:length], tables
-        raise AssertionError("a hit of no block is always served")
 
     def _computing_block(self, request: Request, index: int) -> bool:
         return index < self._max_hit_blocks(request) and request.block_hashes[index] in self.tables.computing
@@ -223,6 +208,9 @@ class Admission:
             return True
         if self.store_io.needs_lookup(request.request_id, self._step):
             limit = self._max_hit_blocks(request)
+            if self.matcher is not None:                  # every group's pages, in one lookup
+                self.store_io.look_up(request.request_id, self.matcher.lookup_keys(request, limit), self._step, limit)
+                return self.store_io.answered(request.request_id, self._step)
             local = len(self._match(self.device, request, 0, limit))
             local += len(self._match(self.host, request, local, limit))
             if local >= limit:
@@ -273,12 +261,12 @@ class Admission:
         assert request.request_id not in self.tables.by_request, f"{request.request_id} already holds blocks"
         size = self.block_size
         hits, host, store = self._hits(request)
-        extra_hits: list[list[Block | None]] = []
-        num_cut = 0
-        if self.groups is not None:
-            num_cut = len(hits)
-            hits, extra_hits = self._group_hits(request, hits)
-            num_cut -= len(hits)
+        extra, num_cut = None, 0
+        if self.matcher is not None:
+            num_cut = len(hits) + len(host) + len(store)
+            extra = self.matcher.match(request, num_cut, lower=not request.device_hits_only)
+            num_cut -= extra.length
+            hits, host, store = _cut(extra.length, hits, host, store)
         num_hits = len(hits) + len(host) + len(store)
         if self._computing_block(request, num_hits):
             return None                                   # another request is computing it: wait, then hit
@@ -294,13 +282,14 @@ class Admission:
         num_fork_blocks = len(forks) if partial_last_block else 0
         return AdmissionPlan(
             request=request, epoch=self.device.epoch, hit_blocks=hits,
-            num_touched_cached=sum(block.state is BlockState.CACHED for block in _pages(hits, extra_hits)),
+            num_touched_cached=sum(block.state is BlockState.CACHED
+                                   for block in _pages(hits, extra.tables if extra else [])),
             load_host=host, load_store=store,
             num_new_blocks=num_blocks - len(hits) - len(host) - len(store),
             num_new_tokens=num_new_tokens,
             reserve=self.reserve_for_running() + own_future + sum(map(self._fork_reserve, forks)),
-            forks=forks, num_fork_blocks=num_fork_blocks, extra_hits=extra_hits,
-            num_extra_new=len(extra_hits) * (num_blocks - len(hits) + num_fork_blocks), num_cut_blocks=num_cut)
+            forks=forks, num_fork_blocks=num_fork_blocks, extra=extra, num_cut_blocks=num_cut,
+            num_extra_new=(self.groups.num_groups - 1) * (num_blocks - num_hits + num_fork_blocks) if extra else 0)
 
     def fits(self, plan: AdmissionPlan) -> bool:
         return plan.num_blocks_needed <= self.device.num_available
@@ -319,7 +308,8 @@ class Admission:
             self.store_io.forget_lookup(plan.request.request_id)
         self.write_back.offload_evicted(evicted)
         self.stats.window_cut_hits += plan.num_cut_blocks > 0
-        self.stats.window_hits += any(table and table[0] is None for table in plan.extra_hits)
+        self.stats.window_hits += plan.extra is not None and plan.extra.windowed
+        plan.request.device_hits_only = False
         num_host_loaded = self._load_host_hits(plan, rb, host_targets)
         if first_admission:
             request, size = plan.request, self.block_size
@@ -344,36 +334,45 @@ class Admission:
         """The transaction: every block of the plan taken and the request's table recorded, or (on
         any exception) nothing. Returns the table, the device blocks host hits go to, and what was evicted."""
         request, device = plan.request, self.device
+        extra = plan.extra or GroupHit(0, [])
         undo: list[Callable[[], None]] = []
         try:
             touched = plan.touched
             device.touch(touched)
             undo.append(lambda: device.free(reversed(touched)))
-            if plan.load_host:
-                self.host.touch(plan.load_host)       # pinned: the offload after the commit must not evict them
-                undo.append(lambda: self.host.free(plan.load_host))
+            from_host = plan.load_host + [page for _, _, page in extra.host]
+            if from_host:
+                self.host.touch(from_host)            # pinned: the offload after the commit must not evict them
+                undo.append(lambda: self.host.free(from_host))
             num_group0 = len(plan.load_host) + plan.num_new_blocks + plan.num_fork_blocks
-            got = device.allocate(num_group0 + plan.num_extra_new)
+            got = device.allocate(num_group0 + len(extra.host) + plan.num_extra_new)
             assert got is not None, "allocation failed after fits() said yes"
-            new_blocks, evicted = got
-            new_blocks, extra_new = new_blocks[:num_group0], new_blocks[num_group0:]
-            undo.append(lambda: (device.free(reversed(new_blocks + extra_new)), device.unevict(evicted)))
-            flight = device.start_transfer(len(plan.load_store))
+            taken, evicted = got
+            undo.append(lambda: (device.free(reversed(taken)), device.unevict(evicted)))
+            new_blocks, extra_host, extra_new = _deal(taken, num_group0, len(extra.host))
+            flight = device.start_transfer(len(plan.load_store) + len(extra.store))
             assert flight is not None, "load targets unavailable after fits() said yes"
-            targets, evicted_for_targets = flight
-            undo.append(lambda: ([device.end_transfer(block, BlockState.FREE) for block in targets],
+            in_flight, evicted_for_targets = flight
+            undo.append(lambda: ([device.end_transfer(block, BlockState.FREE) for block in in_flight],
                                  device.unevict(evicted_for_targets)))
+            targets, extra_targets = in_flight[:len(plan.load_store)], in_flight[len(plan.load_store):]
             num_host, num_new = len(plan.load_host), len(new_blocks) - plan.num_fork_blocks
             host_targets = new_blocks[:num_host]
             table = plan.hit_blocks + host_targets + targets + new_blocks[num_host:num_new]
-            extra = _split(extra_new, len(plan.extra_hits), num_new - num_host + plan.num_fork_blocks)
+            fresh = _split(extra_new, len(extra.tables), num_new - num_host + plan.num_fork_blocks)
             fork_pages = [page for i, fork in enumerate(new_blocks[num_new:])
-                          for page in [fork] + [pages[num_new - num_host + i] for pages in extra]]
-            self.tables.place_forks(plan.forks, fork_pages, 1 + len(extra))
-            load = self.loads.start(request, len(plan.hit_blocks) + num_host, plan.load_store, targets,
-                                    first_admission)
+                          for page in [fork] + [pages[num_new - num_host + i] for pages in fresh]]
+            self.tables.place_forks(plan.forks, fork_pages, 1 + len(fresh))
+            tables = [list(hit) for hit in extra.tables]
+            for (group, index, _), page in zip(extra.host + extra.store, extra_host + extra_targets):
+                tables[group - 1][index] = page
+            first = len(plan.hit_blocks) + num_host
+            positions = list(range(first, first + len(targets))) + [index for _, index, _ in extra.store]
+            load = self.loads.start(request, positions, plan.load_store + [key for _, _, key in extra.store],
+                                    targets + extra_targets, first_admission,
+                                    len(targets) if plan.extra is not None else None)
             rb = RequestBlocks(request, table, len(plan.hit_blocks), load,
-                               extra=[hit + pages[:num_new - num_host] for hit, pages in zip(plan.extra_hits, extra)])
+                               extra=[hit + pages[:num_new - num_host] for hit, pages in zip(tables, fresh)])
             self.tables.add(rb)
         except BaseException:
             self.tables.remove(request.request_id)
@@ -382,39 +381,60 @@ class Admission:
             for step in reversed(undo):
                 step()
             raise
-        return rb, host_targets, evicted + evicted_for_targets
+        return rb, host_targets + extra_host, evicted + evicted_for_targets
 
     def _load_host_hits(self, plan: AdmissionPlan, rb: RequestBlocks, targets: list[Block]) -> int:
-        """Copy host hits into their device blocks, index and announce what the request holds, and
-        set how many of its tokens have KV; how many host hits loaded. A failed copy leaves the
-        targets ordinary blocks to recompute, and abandons a store load queued behind them."""
-        num_host_loaded = len(targets) if self._copy_host_hits(plan, targets) else 0
-        if num_host_loaded < len(targets) and rb.load is not None:
+        """Copy host hits into their device pages (every group's: `targets` holds group 0's first), index and
+        announce what the request holds, and set how many of its tokens have KV; how many of group 0's host hits
+        loaded. A failed copy leaves the targets ordinary blocks to recompute, and abandons a store load queued
+        behind them; with KV groups the request starts over instead (`BlockTables.restarts`): a sliding group
+        holds no page before its window, so no block before the failed one can be recomputed from."""
+        copied = self._copy_host_hits(plan, targets)
+        if not copied and rb.load is not None:
             self.loads.abandon(rb, "behind_failed_copy")  # its blocks follow blocks that are recomputed
+        if not copied and plan.extra is not None:
+            self.tables.restarts[plan.request.request_id] = plan.request
+        num_host_loaded = len(plan.load_host) if copied else 0
         self.tables.set_registered(rb, rb.num_registered + num_host_loaded)
         self.tables.announce(rb)
         plan.request.num_computed_tokens = (len(plan.hit_blocks) + num_host_loaded) * self.block_size
         return num_host_loaded
 
     def _copy_host_hits(self, plan: AdmissionPlan, targets: list[Block]) -> bool:
-        """Copy host hits into their device blocks and index them there; whatever happens, unpin the
-        host blocks. False if the copy failed: the targets stay ordinary blocks, to be recomputed."""
+        """Copy host hits into their device pages and index them there (a group other than 0's unpublished);
+        whatever happens, unpin the host pages. False if the copy failed: the targets stay ordinary blocks."""
         if not targets:
             return True
-        pairs = [(src.block_id, dst.block_id) for src, dst in zip(plan.load_host, targets)]
-        copied = self.moves.copy("host", "device", pairs)
-        self.host.free(plan.load_host)                  # unpinned, and now most recently used
+        sources = plan.load_host + ([page for _, _, page in plan.extra.host] if plan.extra is not None else [])
+        copied = self.moves.copy("host", "device", [(src.block_id, dst.block_id) for src, dst in zip(sources, targets)])
+        self.host.free(sources)                         # unpinned, and now most recently used
         if not copied:
             return False
-        for src, dst in zip(plan.load_host, targets):
-            self.device.register(dst, src.block_hash, src.token_ids)
+        for index, (src, dst) in enumerate(zip(sources, targets)):
+            self.device.register(dst, src.block_hash, src.token_ids, publish=index < len(plan.load_host))
         self.stats.count(self.stats.loaded_blocks, "host", len(targets))
+        self.stats.count(self.stats.group_loads, "host", len(targets) - len(plan.load_host))
         return True
 
 
 def _pages(hits: list[Block], extra_hits: list[list[Block | None]]) -> list[Block]:
     """Every page of a hit: group 0's blocks, then each other group's (its window's)."""
     return hits + [block for table in extra_hits for block in table if block is not None]
+
+
+def _cut(length: int, hits: list[Block], host: list[Block], store: list[BlockHash]) -> tuple[list, list, list]:
+    """Group 0's hit, device -> host -> store, cut to its first `length` blocks."""
+    host = host[:max(0, length - len(hits))]
+    return hits[:length], host, store[:max(0, length - len(hits) - len(host))]
+
+
+def _deal(pages: list[Block], *sizes: int) -> list[list[Block]]:
+    """`pages` dealt out in runs of `sizes`, the rest last."""
+    runs, at = [], 0
+    for size in sizes:
+        runs.append(pages[at:at + size])
+        at += size
+    return [*runs, pages[at:]]
 
 
 def _split(pages: list[Block], num_groups: int, each: int) -> list[list[Block]]:

@@ -41,6 +41,7 @@ def audit_tiers(tables: BlockTables, orphans: list[LoadTransfer], device: BlockP
         in_flight.extend(block.block_id for block in load.targets)
     assert len(in_flight) == len(set(in_flight)), "a block is the target of two loads"
     assert {rid for rid, rb in tables.by_request.items() if rb.load} == set(tables.loading), "loading index is stale"
+    assert set(tables.restarts) <= set(tables.by_request).difference(tables.loading), "a restart holds nothing or loads"
     assert announced == tables.computing, "announced block hashes disagree with the block tables"
     counts = {"device": device.audit(holders, in_flight)}
     if host is not None:
@@ -49,13 +50,17 @@ def audit_tiers(tables: BlockTables, orphans: list[LoadTransfer], device: BlockP
 
 
 def _check_groups(rb: RequestBlocks, tables: BlockTables, groups: KVGroups | None, block_size: int) -> None:
-    """Every group's table is as long as group 0's; a sliding group holds no page before its window (but while
-    samples wait to fork from the request's prompt) and every page from it on."""
+    """Every group's table is as long as group 0's; a sliding group holds no page before the window of the first
+    token to compute (once its load lands), but while samples wait to fork from the request's prompt, and every
+    page from it on. A request to start over holds what it took until it is preempted."""
     rid, num_groups = rb.request.request_id, 1 if groups is None else groups.num_groups
     assert len(rb.extra) == num_groups - 1, f"{rid} holds {1 + len(rb.extra)} block tables for {num_groups} KV groups"
+    if rid in tables.restarts:
+        return
+    position = rb.request.num_computed_tokens + (rb.load.num_group0 * block_size if rb.load is not None else 0)
     for group, table in enumerate(rb.extra, 1):
         assert len(table) == len(rb.blocks), f"{rid}: group {group}'s table is {len(table)} long, not {len(rb.blocks)}"
-        first = groups.first_needed(group, rb.request.num_computed_tokens, block_size)
+        first = groups.first_needed(group, position, block_size)
         assert all(block is not None for block in table[first:]), f"{rid}: group {group} lost a page of its window"
         assert tables.leads_forks(rb.request) or all(block is None for block in table[:first]), \
             f"{rid}: group {group} holds a page before its window (block {first})"

@@ -242,19 +242,20 @@ class BlockPool:
         self._num_in_flight += n
         return blocks, evicted
 
-    def end_transfer(self, block: Block, outcome: BlockState,
-                     block_hash: BlockHash | None = None, token_ids: Sequence[int] | None = None) -> bool:
+    def end_transfer(self, block: Block, outcome: BlockState, block_hash: BlockHash | None = None,
+                     token_ids: Sequence[int] | None = None, publish: bool = True) -> bool:
         """Settle an IN_FLIGHT block: USED (a request takes it), CACHED (valid, nobody holds it) or FREE.
 
-        A block with content is indexed unless its hash is already indexed, in which case it is a
-        duplicate: it goes FREE (or stays USED unhashed). Returns whether it was indexed.
+        A block with content is indexed (heard by the listener if `publish`, as `register`) unless its hash is
+        already indexed, in which case it is a duplicate: it goes FREE (or stays USED unhashed). Returns whether
+        it was indexed.
         """
         assert block.state is BlockState.IN_FLIGHT, f"block {block.block_id} is not in flight"
         self._num_in_flight -= 1
         self.epoch += 1
         indexed = False
         if outcome is not BlockState.FREE and block_hash is not None and block_hash not in self._index:
-            block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+            block.block_hash, block.token_ids, block.published = block_hash, tuple(token_ids), publish
             self._indexed(block_hash, block)
             indexed = True
         if outcome is BlockState.USED:

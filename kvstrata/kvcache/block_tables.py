@@ -103,6 +103,9 @@ class BlockTables:
         self.loading: dict[str, RequestBlocks] = {}      # the tables whose request waits on a load
         self.computing: dict[BlockHash, int] = {}        # announced block hashes -> how many requests
         self.forks: dict[str, PendingFork] = {}          # sample id -> its place, until its leader forks it
+        # KV groups: requests a lower tier's copy or load failed, holding their pages until the scheduler has
+        # them start over (TierManager.take_restarts)
+        self.restarts: dict[str, Request] = {}
 
     def __getitem__(self, request_id: str) -> RequestBlocks:
         return self.by_request[request_id]
@@ -119,6 +122,7 @@ class BlockTables:
     def remove(self, request_id: str) -> RequestBlocks | None:
         """Forget a request's table and withdraw its announcements; the table, or None if it held none."""
         rb = self.by_request.pop(request_id, None)
+        self.restarts.pop(request_id, None)
         if rb is not None:
             self.loading.pop(request_id, None)
             self.withdraw(rb, rb.num_registered, rb.num_announced)

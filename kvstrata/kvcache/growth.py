@@ -75,16 +75,14 @@ class Growth:
         if self.config.enable_prefix_caching:
             size = self.block_size
             for index in range(rb.num_registered, num_full):
-                block = rb.blocks[index]
                 tokens = request.token_ids[index * size:(index + 1) * size]
-                if self.device.register(block, request.block_hashes[index], tokens):
-                    if self.config.write_policy == "write_through":
-                        self.write_back.write_through(block)
-                    self.write_back.remember_unpersisted(block)
-                for group, table in enumerate(rb.extra, 1):
-                    if table[index] is not None:
-                        self.device.register(table[index], group_hash(request.block_hashes[index], group), tokens,
-                                             publish=False)
+                for group, table in enumerate([rb.blocks, *rb.extra]):
+                    block = table[index]
+                    if block is not None and self.device.register(block, group_hash(request.block_hashes[index], group),
+                                                                  tokens, publish=group == 0):
+                        if self.config.write_policy == "write_through":
+                            self.write_back.write_through(block)
+                        self.write_back.remember_unpersisted(block)
         self.tables.set_registered(rb, max(rb.num_registered, num_full))
         self._leave_window(rb)
 

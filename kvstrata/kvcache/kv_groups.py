@@ -16,6 +16,7 @@ layout (a model whose every layer slides keeps full-length KV: nothing else to g
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,9 +116,19 @@ def group_hash(block_hash: BlockHash, group: int) -> BlockHash:
     return xxhash.xxh3_128_digest(block_hash + b"kv-group" + group.to_bytes(2, "little"))
 
 
-def kv_groups_for(windows: Sequence[int | None], *, lower_tiers: bool, swa_full: bool) -> KVGroups:
+def kv_groups_for(windows: Sequence[int | None], *, swa_full: bool) -> KVGroups:
     """The grouping an engine runs: by kind for a hybrid model, unless `--swa-full` keeps every layer at full
-    length, or a host tier or store is on (its records still hold every layer of a block: the next step)."""
-    if swa_full or lower_tiers:
+    length."""
+    if swa_full:
         return KVGroups.for_windows([None] * len(windows))
     return KVGroups.for_windows(windows)
+
+
+def cache_fingerprint(model_fingerprint: str, groups: KVGroups) -> str:
+    """What keys the cache of a model run with `groups`: a page of grouped layers holds other K/V than a block of
+    every layer under the same hash, so an engine with groups and one at full length (`--swa-full`) sharing a
+    store never read each other's records (one group: the model's fingerprint, as before groups)."""
+    if groups.num_groups == 1:
+        return model_fingerprint
+    layout = [list(group.layers) for group in groups.groups], list(groups.windows)
+    return hashlib.sha256(f"{model_fingerprint}:kv-groups:{layout}".encode()).hexdigest()

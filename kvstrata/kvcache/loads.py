@@ -45,9 +45,10 @@ class StoreLoads:
         """Loads or writes still running (the engine keeps stepping until they settle)."""
         return bool(self.orphans or self.tables.loading or (self.store_io is not None and self.store_io.has_writes))
 
-    def start(self, request: Request, first: int, hashes: Sequence[BlockHash], targets: list[Block],
-              first_admission: bool) -> LoadTransfer | None:
-        """Record the load of `hashes` into `targets` (the request's blocks from index `first`) and start it.
+    def start(self, request: Request, positions: Sequence[int], hashes: Sequence[BlockHash], targets: list[Block],
+              first_admission: bool, num_group0: int | None = None) -> LoadTransfer | None:
+        """Record the load of `hashes` into `targets` (the pages of blocks `positions`; with KV groups, group 0's
+        `num_group0` first, and the load is whole: kvstrata.kvcache.transfers) and start it.
 
         Bookkeeping first: if this raises, the caller (commit) rolls back and the executor's result
         is never looked at.
@@ -55,11 +56,12 @@ class StoreLoads:
         if not targets:
             return None
         size = self.config.block_size
-        tokens = [tuple(request.token_ids[(first + i) * size:(first + i + 1) * size]) for i in range(len(targets))]
+        tokens = [tuple(request.token_ids[index * size:(index + 1) * size]) for index in positions]
         started = self.clock()
         future = self.store_io.get(list(hashes))
         return LoadTransfer(request, targets, list(hashes), tokens, future, started,
-                            started + self.config.store_timeout, first_admission)
+                            started + self.config.store_timeout, first_admission,
+                            len(targets) if num_group0 is None else num_group0, num_group0 is not None)
 
     def abandon(self, rb: RequestBlocks, reason: str) -> None:
         """Give up on the request's store load now: its targets become ordinary blocks of the request."""
@@ -79,14 +81,20 @@ class StoreLoads:
         return {id(block) for block in rb.load.targets}
 
     def poll(self) -> list[Request]:
-        """Settle every load that finished or timed out; return the requests ready to run."""
+        """Settle every load that finished or timed out; return the requests ready to run. A whole load (KV
+        groups) that did not land whole puts its request among the restarts (`BlockTables.restarts`)."""
         ready = []
         for rb in list(self.tables.loading.values()):
-            loaded = self._settle(rb.load)
-            if loaded is not None:
-                self.tables.end_load(rb)
-                self.tables.set_registered(rb, rb.num_registered + loaded)
-                ready.append(rb.request)
+            load = rb.load
+            loaded = self._settle(load)
+            if loaded is None:
+                continue
+            self.tables.end_load(rb)
+            if load.whole and loaded < len(load.targets):
+                self.tables.restarts[rb.request.request_id] = rb.request
+                continue
+            self.tables.set_registered(rb, rb.num_registered + min(loaded, load.num_group0))
+            ready.append(rb.request)
         self.orphans = [load for load in self.orphans if self._settle(load) is None]
         if self.store_io is not None:
             self.store_io.settle()
@@ -113,19 +121,21 @@ class StoreLoads:
         if loaded < len(load.targets):
             self.stats.count(self.stats.load_failures, reason or "missing")
         for index, target in enumerate(load.targets):
-            ok = index < loaded
+            ok, publish = index < loaded, index < load.num_group0
             if load.orphaned:
                 self.device.end_transfer(target, BlockState.CACHED if ok else BlockState.FREE,
-                                         load.hashes[index], load.token_ids[index])
+                                         load.hashes[index], load.token_ids[index], publish)
             else:
                 self.device.end_transfer(target, BlockState.USED, load.hashes[index] if ok else None,
-                                         load.token_ids[index] if ok else None)
+                                         load.token_ids[index] if ok else None, publish)
         self.stats.count(self.stats.loaded_blocks, "store", loaded)
+        self.stats.count(self.stats.group_loads, "store", max(0, loaded - load.num_group0))
         self.stats.load_seconds += self.clock() - load.started
-        if not load.orphaned:
-            load.request.num_computed_tokens += loaded * self.config.block_size
+        if not load.orphaned and not (load.whole and loaded < len(load.targets)):
+            num_tokens = min(loaded, load.num_group0) * self.config.block_size
+            load.request.num_computed_tokens += num_tokens
             if load.first_admission:
-                self.stats.count_hits(load.request, "store", loaded * self.config.block_size)
+                self.stats.count_hits(load.request, "store", num_tokens)
         return loaded
 
     def _answer(self, load: LoadTransfer) -> tuple[list, str | None] | None:

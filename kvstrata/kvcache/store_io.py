@@ -51,6 +51,8 @@ class CacheStats:
     window_released: int = 0
     window_hits: int = 0
     window_cut_hits: int = 0
+    group_loads: dict[str, int] = field(default_factory=lambda: {"host": 0, "store": 0})   # pages of groups 1..
+    restarts: int = 0                  # requests given back every page and queued again: a lower tier failed them
 
     def count(self, table: dict[str, int], key: str, n: int = 1) -> None:
         table[key] = table.get(key, 0) + n
@@ -71,6 +73,8 @@ class Lookup:
     """
 
     hits: list[bool] | None = None     # the last answer; None until one arrives
+    span: int = 0                      # blocks each KV group's keys cover in `hits` (group 0's first)
+    asked_span: int = 0                # the same for `future`
     answered: int = -1                 # the step of the last answer (a failed or late lookup answers "none")
     landed: int = -1                   # writes landed when the lookup of `hits` was sent
     failed: bool = False               # the last lookup failed or timed out
@@ -107,12 +111,14 @@ class StoreIO:
         lookup = self._lookups.get(request_id)
         return lookup is None or (lookup.future is None and lookup.answered < step - 1)
 
-    def look_up(self, request_id: str, hashes: list[BlockHash], step: int) -> None:
-        """Send a lookup; wait up to `lookup_wait` for it unless the last one failed."""
+    def look_up(self, request_id: str, hashes: list[BlockHash], step: int, span: int | None = None) -> None:
+        """Send a lookup; wait up to `lookup_wait` for it unless the last one failed. With KV groups, `hashes`
+        holds each group's keys of `span` blocks, group 0's first."""
         lookup = self._lookups.setdefault(request_id, Lookup())
         try:
             lookup.future = self.executor.submit(self.store.exists, hashes)
             lookup.asked_landed = self._num_landed
+            lookup.asked_span = len(hashes) if span is None else span
         except Exception as exc:                          # the executor refused (shut down): no hits
             self.error(exc)
             lookup.hits, lookup.answered, lookup.failed = [], step, True
@@ -133,7 +139,7 @@ class StoreIO:
             if lookup.future.done():
                 try:
                     lookup.hits, lookup.failed = list(lookup.future.result()), False
-                    lookup.landed = lookup.asked_landed
+                    lookup.landed, lookup.span = lookup.asked_landed, lookup.asked_span
                 except Exception as exc:                  # a failed lookup is no hit
                     self.error(exc)
                     lookup.hits, lookup.failed = [], True
@@ -148,20 +154,25 @@ class StoreIO:
         self._lookups.pop(request_id, None)
 
     def hits(self, request_id: str, hashes: Sequence[BlockHash], start: int, stop: int) -> list[BlockHash]:
-        """`hashes[start:stop]`'s leading run the store holds: by the last lookup's answer, or because a
-        write of this engine landed after that lookup was sent, or is still running (a load queued
-        behind it finds the record, or misses and recomputes). A write that landed before the lookup
-        is what the lookup saw."""
-        lookup = self._lookups.get(request_id)
-        found = lookup.hits if lookup is not None and lookup.hits else []
-        since = lookup.landed if lookup is not None else -1
+        """`hashes[start:stop]`'s leading run the store holds (group 0's keys; see `holds`)."""
         run = []
         for index in range(start, stop):
-            block_hash = hashes[index]
-            if not ((index < len(found) and found[index]) or self._written.get(block_hash, -1) > since):
+            if not self.holds(request_id, 0, index, hashes[index]):
                 break
-            run.append(block_hash)
+            run.append(hashes[index])
         return run
+
+    def holds(self, request_id: str, group: int, index: int, key: BlockHash) -> bool:
+        """Whether the store holds `key`, KV group `group`'s page of block `index`: by the last lookup's answer,
+        or because a write of this engine landed after that lookup was sent, or is still running (a load queued
+        behind it finds the record, or misses and recomputes). A write that landed before the lookup is what
+        the lookup saw."""
+        lookup = self._lookups.get(request_id)
+        if lookup is None:
+            return self._written.get(key, -1) > -1
+        found = lookup.hits or []
+        at = group * lookup.span + index
+        return (index < lookup.span and at < len(found) and found[at]) or self._written.get(key, -1) > lookup.landed
 
     # ---- loads ----------------------------------------------------------------------------------
     def get(self, hashes: list[BlockHash]) -> Future:

@@ -11,7 +11,7 @@ The rule (DESIGN.md §5), with every term counted before anything is taken:
     touched_cached + load_host + load_store + new + reserve  <=  free + cached      (device blocks)
 
     touched_cached  device hits that are CACHED now: taking them removes them from the evictable side
-    load_*          lower-tier hits, each needing a device block to load into
+    load_*          lower-tier hits, each needing a device block to load into (with KV groups, every group's pages)
     new             blocks for this chunk's uncached tokens, plus, for the leader of a family of
                     samples (n / best_of), one block per other sample for its copy of the partly
                     filled last prompt block (none when the prompt fills its blocks exactly)
@@ -56,6 +56,10 @@ block. Each side effect is either inside a transaction or a compensated step:
     store calls         every lookup, load and write has a deadline; a write that fails or times out is
                         forgotten as stored, so a later eviction writes the block again
 
+With KV groups a hit takes each group's pages from whichever tier holds them (group_match.py), and a failed
+host copy or store load sends the request back to wait instead (`take_restarts`): a sliding group holds no
+page before its window to recompute a failed block from.
+
 Only this class and its parts call the pools; the scheduler sees block ids and counts, never blocks.
 """
 
@@ -75,7 +79,7 @@ from kvstrata.kvcache.block_pool import Block, BlockPool, PoolCounts
 from kvstrata.kvcache.block_tables import BlockTables
 from kvstrata.kvcache.growth import Growth
 from kvstrata.kvcache.guarded_mover import GuardedMover
-from kvstrata.kvcache.kv_groups import KVGroups
+from kvstrata.kvcache.kv_groups import KVGroups, group_hash
 from kvstrata.kvcache.loads import StoreLoads
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.transfers import BlockMover, Executor
@@ -156,7 +160,8 @@ class TierManager:
                                 for group in range(1, groups.num_groups))
 
     def is_loading(self, request_id: str) -> bool:
-        return request_id in self.tables.loading
+        """Whether the request waits on a load, or (KV groups) to start over after one failed."""
+        return request_id in self.tables.loading or request_id in self.tables.restarts
 
     @property
     def has_transfers(self) -> bool:
@@ -240,15 +245,20 @@ class TierManager:
     def hand_off(self, request: Request) -> list[BlockHash]:
         """Write the request's prompt blocks another engine would load to the store: the full blocks
         before the last prompt token (which that engine computes for its logits), those this engine
-        has not written yet and still holds (right after the request ends, all of them). Their hashes,
-        in order; `stored_run` says how many of them have landed."""
+        has not written yet and still holds (right after the request ends, all of them); with KV groups, every
+        group's pages that hit needs, group 0's last. Group 0's hashes, in order; `stored_run` says how many of
+        them have landed."""
         size = self.block_size
         hashes = request.block_hashes[:(request.num_prompt_tokens - 1) // size]
         if self.store_io is None:
             return hashes
-        for index, block_hash in enumerate(hashes):
-            if not self.store_io.wrote(block_hash):
-                self.write_back.write_held(block_hash, tuple(request.token_ids[index * size:(index + 1) * size]))
+        groups = self.groups.num_groups if self.groups is not None else 1
+        for group in [*range(1, groups), 0]:        # with KV groups, the pages the hit needs; group 0's last
+            first = self.groups.first_needed(group, len(hashes) * size, size) if group else 0
+            for index in range(first, len(hashes)):
+                key = group_hash(hashes[index], group)
+                if not self.store_io.wrote(key):
+                    self.write_back.write_held(key, tuple(request.token_ids[index * size:(index + 1) * size]))
         return hashes
 
     def stored_run(self, hashes: list[BlockHash]) -> tuple[int, bool]:
@@ -262,6 +272,18 @@ class TierManager:
     def poll_loads(self) -> list[Request]:
         """Settle every load that finished or timed out; return the requests ready to run."""
         return self.loads.poll()
+
+    def take_restarts(self) -> list[Request]:
+        """With KV groups, the requests a lower tier's copy or load failed: each is to give back every page and
+        wait again (the scheduler preempts it), its next admission taking device hits only, so it cannot fail
+        twice. A sliding group holds no page before its window, so a block that failed to load cannot be
+        recomputed from the blocks before it, as it is without groups."""
+        restarts = list(self.tables.restarts.values())
+        self.tables.restarts.clear()
+        for request in restarts:
+            request.device_hits_only = True
+        self.stats.restarts += len(restarts)
+        return restarts
 
     def wait_for_transfers(self, timeout: float) -> None:
         """Block until some transfer may have settled (the engine calls this when it has nothing else)."""

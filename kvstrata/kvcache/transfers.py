@@ -47,6 +47,10 @@ class LoadTransfer:
 
     `request` is None once the request has let go (aborted, preempted, finished): the settled
     blocks then go to the cache (loaded) or back to the free list (failed) instead of to it.
+
+    The first `num_group0` targets are blocks of the request's table (KV group 0's), in order; with KV groups
+    the others are other groups' pages, never published to the listener, and the load is `whole`: all of it
+    lands, or the request starts over (kvstrata.kvcache.loads).
     """
 
     request: Request | None
@@ -57,6 +61,12 @@ class LoadTransfer:
     started: float
     deadline: float
     first_admission: bool            # the request's first admission: its hits count as cached prompt tokens
+    num_group0: int = -1             # -1: every target
+    whole: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_group0 < 0:
+            self.num_group0 = len(self.targets)
 
     @property
     def orphaned(self) -> bool:

@@ -55,7 +55,7 @@ class WriteBack:
             self.host.free(slots)                       # unhashed: back to FREE; the evicted KV is not kept
             return
         for item, slot in zip(todo, slots):
-            self.host.register(slot, item.block_hash, item.token_ids)
+            self.host.register(slot, item.block_hash, item.token_ids, item.published)
         self.host.free(slots)
         self.stats.count(self.stats.offloaded_blocks, "host", len(slots))
 
@@ -74,7 +74,7 @@ class WriteBack:
         if not self.moves.copy("device", "host", [(block.block_id, slot.block_id)]):
             self.host.free([slot])
             return
-        self.host.register(slot, block.block_hash, block.token_ids)
+        self.host.register(slot, block.block_hash, block.token_ids, block.published)
         self.host.free([slot])
         self.stats.count(self.stats.offloaded_blocks, "host", 1)
         self._write_to_store("host", slot.block_id, block.block_hash, block.token_ids)

@@ -161,6 +161,8 @@ class Scheduler:
             self.loading.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+        for request in self.tiers.take_restarts():     # KV groups: a lower tier failed it; it waits again
+            self._preempt(request)
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -245,12 +247,10 @@ class Scheduler:
         return DEFAULT_BREAK_EVEN if request.sampling.seed is not None else self.break_even
 
     def _victims(self, index: int) -> list[Request]:
-        """The worst running request, with the samples of its family not yet scheduled in this step
-        (from `index` on), last first."""
+        """The worst running request, with its family's samples not scheduled in this step (from `index` on),
+        last first."""
         worst = self.running[-1]
-        if worst.family is None:
-            return [worst]
-        return [r for r in reversed(self.running[index:]) if r.family is worst.family]
+        return [r for r in reversed(self.running[index:]) if r is worst or (worst.family and r.family is worst.family)]
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         deferred: list[Request] = []        # waiting for blocks another request is computing now

@@ -18,7 +18,7 @@ import torch
 from kvstrata.core.config import CacheConfig
 from kvstrata.core.outputs import TokenLogprob
 from kvstrata.kvcache.buffers import KVCacheSpec, PagedKVCache
-from kvstrata.kvcache.kv_groups import kv_groups_for
+from kvstrata.kvcache.kv_groups import cache_fingerprint, kv_groups_for
 from kvstrata.kvcache.mover import TierBuffers, host_cache
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
 from kvstrata.model.adapters.lora import LoRAWeights, group_rows
@@ -97,13 +97,13 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = config.block_size
-        self.kv_groups = kv_groups_for(loaded.arch.windows or [None] * loaded.arch.num_layers,
-                                       lower_tiers=config.has_lower_tiers, swa_full=config.swa_full)
+        self.kv_groups = kv_groups_for(loaded.arch.windows or [None] * loaded.arch.num_layers, swa_full=config.swa_full)
+        self.fingerprint = cache_fingerprint(loaded.fingerprint, self.kv_groups)      # what keys blocks and records
         self.spec = KVCacheSpec.for_model(loaded.arch, config.block_size, loaded.kv_dtype, self.kv_groups)
         self.num_device_blocks = device_blocks_for(config, self.spec)
         self.kv = PagedKVCache(self.spec, self.num_device_blocks, self.device)
         self.num_host_blocks = host_blocks_for(config, self.spec)
-        self.buffers = TierBuffers(self.kv, host_cache(self.kv, self.num_host_blocks), loaded.fingerprint)
+        self.buffers = TierBuffers(self.kv, host_cache(self.kv, self.num_host_blocks), self.fingerprint)
         grammars = (GrammarMasker(loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids)
                     if loaded.tokenizer is not None else None)
         self.sampler = Sampler(loaded.eos_token_ids, seed=seed, grammars=grammars)
@@ -115,9 +115,8 @@ class ModelRunner:
         if self.kv_groups.num_groups > 1:
             logger.info("KV cache groups: %d of %d layers, a sliding group keeps its last %d tokens on the device",
                         self.kv_groups.num_groups, self.kv_groups.layers_per_page, loaded.arch.sliding_window)
-        elif loaded.arch.sliding_window is not None and any(w is None for w in loaded.arch.windows):
-            logger.info("KV cache: every layer at full length (%s)", "--swa-full" if config.swa_full else
-                        "a host tier or store keeps whole blocks; sliding-window groups need neither yet")
+        elif config.swa_full and loaded.arch.sliding_window is not None:
+            logger.info("KV cache: every layer at full length (--swa-full)")
         logger.info("KV cache: %d device blocks of %d tokens (%.1f MiB), %d host blocks (%.1f MiB)",
                     self.num_device_blocks, self.block_size, self.kv.nbytes / 2**20, self.num_host_blocks,
                     self.num_host_blocks * self.spec.bytes_per_block / 2**20)

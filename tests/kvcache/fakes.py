@@ -27,6 +27,7 @@ from kvstrata.core.request import Request, RequestStatus, SampleFamily
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.kvcache.block_pool import BlockState
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
+from kvstrata.kvcache.kv_groups import KVGroups
 from kvstrata.kvcache.tiers import TierManager
 from kvstrata.scheduler.output import SchedulerOutput
 from kvstrata.scheduler.scheduler import Scheduler
@@ -311,23 +312,24 @@ class FakeClock:
 
 def make_tiered_scheduler(num_blocks=16, num_host_blocks=8, block_size=4, store=True, write_policy="write_back",
                           max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
-                          faults: FaultInjector | None = None, **cache):
+                          faults: FaultInjector | None = None, groups: KVGroups | None = None, **cache):
     """A scheduler over device + host + store tiers with fakes, and the fakes to drive them.
 
     `store` is True (a new FakeStore), False (none) or a FakeStore to share with another scheduler.
-    With `faults`, the mover's copies, encodes and decodes raise when the injector says so.
+    With `faults`, the mover's copies, encodes and decodes raise when the injector says so. With `groups`, the
+    pages are KV groups' (the runner checks each group's window).
     """
     cache_config = CacheConfig(block_size=block_size, num_device_blocks=num_blocks, num_host_blocks=num_host_blocks,
                                store="disk" if store else "none", write_policy=write_policy, store_timeout=1.0,
                                **cache)
     cache_config.validate()
-    runner = FakeRunner(num_blocks, block_size)
+    runner = FakeRunner(num_blocks, block_size, groups.windows if groups is not None else (None,))
     fake_store = store if isinstance(store, FakeStore) else FakeStore() if store else None
     executor, clock = ManualExecutor(), FakeClock()
     mover = FakeMover(runner, num_host_blocks)
     tiers = TierManager(cache_config, num_blocks, num_host_blocks, store=fake_store,
                         mover=mover if faults is None else FaultyMover(mover, faults), executor=executor,
-                        clock=clock, probe_wait=0)
+                        clock=clock, probe_wait=0, groups=groups, max_chunk_tokens=max_num_batched_tokens)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                           max_model_len=max_model_len), tiers, eos_token_ids=[EOS])
     return scheduler, runner, executor, clock, fake_store

@@ -12,6 +12,7 @@ from kvstrata.core.config import EngineConfig, ModelConfig
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.core.shapes import shipped_config
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.kvcache.faults import FaultInjector
 from kvstrata.model.arch import describe
 from kvstrata.model.formats.gguf import GGUFParts
 from kvstrata.model.loader import load_model
@@ -50,8 +51,10 @@ MIXED_5BIT = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output
 
 def test_greedy_outputs_at_its_bits_are_the_same_with_every_cache_feature_on_as_off(tmp_path):
     """Prompts eight windows long: prefix caching, a host tier and the disk store, preemption, a restart over the
-    store, a prefill/decode handoff through the store and speculative decoding, and the sliding layers keeping
-    their window only (KV groups, with prefix hits and preemption), against none of them and full-length KV."""
+    store, a prefill/decode handoff through the store and speculative decoding, with the sliding layers keeping
+    their window only (KV groups: every group's pages loaded from host and store, copies and loads that fail and
+    send the request back to wait), against none of them and full-length KV. A full-length engine on the same
+    store reads none of the grouped engines' records and deletes none."""
     hf = save_tiny_hf_model(tmp_path / "hf", TINY_GEMMA3, seed=5)
     path = tmp_path / "Tiny-Gemma3.Q5_0.gguf"
     write_tiny_gguf(path, hf, MIXED_5BIT)
@@ -64,14 +67,16 @@ def test_greedy_outputs_at_its_bits_are_the_same_with_every_cache_feature_on_as_
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     store = str(tmp_path / "store")
 
-    def run(**options) -> tuple[list[list[int]], dict[str, int]]:
-        engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, block_size=4, **options), loaded=loaded)
+    def run(faults=None, **options) -> tuple[list[list[int]], dict[str, int]]:
+        engine = LLMEngine(EngineConfig.from_options(audit_every_step=True, block_size=4, **options), loaded=loaded,
+                           faults=faults)
         outs = engine.generate(prompts[:3], params) + engine.generate([filler], params)   # pushes them down
         outs += engine.generate(prompts[3:], params)
         stats = engine.tiers.stats
         counts = {**stats.hit_tokens, "accepted": sum(out.num_accepted_draft_tokens for out in outs),
                   "preempted": engine.scheduler.num_preemptions, "released": stats.window_released,
-                  "window_hits": stats.window_hits, "groups": engine.tiers.groups is not None}
+                  "window_hits": stats.window_hits, "groups": engine.tiers.groups is not None,
+                  "group_loads": sum(stats.group_loads.values()), "restarts": stats.restarts}
         engine.close()
         return [out.new_token_ids for out in outs], counts
 
@@ -93,18 +98,25 @@ def test_greedy_outputs_at_its_bits_are_the_same_with_every_cache_feature_on_as_
 
     plain, plain_hits = run(num_device_blocks=256, enable_prefix_caching=False, swa_full=True)
     grouped, windowed = run(num_device_blocks=80, max_num_batched_tokens=16)
-    cached, hits = run(num_device_blocks=32, num_host_blocks=64, store="disk", store_path=store)
-    restarted, again = run(num_device_blocks=48, store="disk", store_path=store)
+    tiered = {"max_num_batched_tokens": 16, "store": "disk", "store_path": store}    # pages of 6 groups of 1 layer
+    cached, hits = run(num_device_blocks=80, num_host_blocks=192, **tiered)
+    restarted, again = run(num_device_blocks=80, **tiered)
+    faulted, failed = run(FaultInjector(every={"copy": 3, "decode": 4}), num_device_blocks=80, num_host_blocks=192,
+                          **tiered)
+    records = {p.name for p in (tmp_path / "store").rglob("*") if p.is_file()}
+    full, apart = run(num_device_blocks=256, swa_full=True, **tiered)      # every layer at full length: other keys
+    assert records and apart["store"] == 0 and records <= {p.name for p in (tmp_path / "store").rglob("*")}
     drafted, accepted = run(num_device_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                  "prompt_lookup_max": 3, "prompt_lookup_min": 2})
     decoded, handed = handed_over()
-    assert not plain_hits["groups"] and not hits["groups"] and windowed["groups"] and accepted["groups"]
+    assert not plain_hits["groups"] and windowed["groups"] and hits["groups"] and accepted["groups"]
+    assert hits["group_loads"] > 0 and again["group_loads"] > 0 and failed["restarts"] > 0, (hits, again, failed)
     assert plain_hits["device"] + plain_hits["released"] == 0 and hits["host"] > 0 and again["store"] > 0, (hits, again)
     assert windowed["device"] > 0 and windowed["preempted"] > 0 and windowed["released"] > 0, windowed
     assert windowed["window_hits"] > 0, windowed
     assert hits["preempted"] > 0 and accepted["accepted"] > 0 and handed > 0, (hits, accepted, handed)
     assert all(len(out) == 24 for out in plain) and cached == plain and restarted == plain and drafted == plain
-    assert grouped == plain
+    assert grouped == plain and faulted == plain and full == plain
     assert decoded == plain[:3] + plain[4:]         # the filler is not handed over
 
 

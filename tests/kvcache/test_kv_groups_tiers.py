@@ -1,0 +1,101 @@
+"""KV groups through the host tier and the store: the tiers' property machine with a global and one or two sliding
+groups, faults at every boundary.
+
+Each group's pages go down the tiers keyed apart (`group_hash`) and come back from whichever tier holds them: a
+hit needs the global groups' pages of the whole prefix and a sliding group's of its window only. A copy or load
+that fails sends the request back to wait (it gives back every page: a sliding group holds nothing before its
+window to recompute the failed block from), and its next admission takes device hits only. The fake runner checks
+every position each group's rows read holds the request's token, so a page loaded into the wrong place, or read
+after it was let go, fails; the audit after every rule checks every pool and every group's table. Each run counts
+what it reached and fails on a zero: another group's pages loaded from the host and from the store (a window
+reloaded), sliding pages let go, hits served by a window alone, hits cut short to what every group serves,
+requests started over after a failed copy or load, requests let go with other groups' pages loading. KV events
+hear group 0's hashes only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, run_state_machine_as_test
+
+from kvstrata.kvcache.faults import FaultInjector
+from kvstrata.kvcache.kv_groups import KVGroups
+from tests.kvcache import test_tiers_state_machine as tiered
+from tests.kvcache.fakes import make_tiered_scheduler
+
+EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "500"))
+GROUP_STATES = ("group_host_load", "group_store_load", "window_released", "window_hit", "window_cut_hit", "restart",
+                "group_load_orphaned")
+
+
+def grouped_machine(reached: Counter) -> type:
+    base = tiered.tiered_machine(reached)
+
+    class GroupedTiersMachine(base):
+        @initialize(num_blocks=st.integers(12, 30), num_host_blocks=st.integers(0, 12), budget=st.integers(2, 16),
+                    write_policy=st.sampled_from(["write_back", "write_through"]), store=st.booleans(),
+                    window=st.integers(2, 7), sliding=st.sampled_from([1, 2]))
+        def setup(self, num_blocks, num_host_blocks, budget, write_policy, store, window, sliding):
+            self.faults = FaultInjector()
+            self.groups = KVGroups.for_windows([None] + [window] * sliding)
+            self.scheduler, self.runner, self.executor, self.clock, _ = make_tiered_scheduler(
+                num_blocks=num_blocks, num_host_blocks=num_host_blocks, store=store, write_policy=write_policy,
+                max_num_batched_tokens=budget, max_model_len=24, max_num_seqs=4, reserve_ratio_init=0.3,
+                reserve_ratio_min=0.1, faults=self.faults, groups=self.groups)
+            self.write_policy = write_policy
+            self.next_id = 0
+            self.made = []
+            self.heard = set()
+            self.scheduler.tiers.device.listener = lambda block_hash, stored: self.heard.add(block_hash)
+            loads = self.scheduler.tiers.loads
+            orphan = loads.orphan
+
+            def counted(rb):                      # an abort or preemption with other groups' pages loading
+                if rb.load is not None and rb.load.num_group0 < len(rb.load.targets):
+                    self.reach("group_load_orphaned")
+                return orphan(rb)
+            loads.orphan = counted
+
+        def teardown(self):
+            if not hasattr(self, "scheduler"):
+                return
+            super().teardown()
+            group0 = {block_hash for request in self.made for block_hash in request.block_hashes}
+            assert self.heard <= group0, "a page of a group other than 0 was published"
+            stats = self.scheduler.tiers.stats
+            for state, count in (("group_host_load", stats.group_loads["host"]),
+                                 ("group_store_load", stats.group_loads["store"]),
+                                 ("window_released", stats.window_released), ("window_hit", stats.window_hits),
+                                 ("window_cut_hit", stats.window_cut_hits),
+                                 ("restart", stats.restarts)):
+                if count:
+                    self.reach(state)
+
+    return GroupedTiersMachine
+
+
+def run_machine(examples: int) -> Counter:
+    reached: Counter = Counter()
+    run_state_machine_as_test(grouped_machine(reached), settings=settings(
+        max_examples=examples, stateful_step_count=tiered.STEPS, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow]))
+    return reached
+
+
+def test_kv_groups_through_every_tier_keep_their_books_under_faults():
+    reached = run_machine(EXAMPLES)          # derandomized: at 500 the rarest states come ten times or more
+    print("hard states reached with KV groups (runs or steps):", dict(sorted(reached.items())))
+    missing = [state for state in tiered.HARD_STATES + GROUP_STATES if not reached[state]]
+    assert not missing, f"the grouped tiers machine never reached {missing}: it proves nothing about them"
+
+
+@pytest.mark.slow
+def test_kv_groups_tiers_machine_long_run():
+    """`make test-slow`: 10^5 steps."""
+    reached = run_machine(2500)
+    assert all(reached[state] for state in tiered.HARD_STATES + GROUP_STATES), reached
