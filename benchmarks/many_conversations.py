@@ -18,8 +18,9 @@ the working set (`--device-share`):
   window only, in KV groups);
 - `kvstrata-swa-full`: the same with every layer at full length (`--swa-full`; not in the default systems);
 - `kvstrata-tiers-swa-full`: `kvstrata` with every layer at full length (not in the default systems either);
-- `llama-server`: `-c` of that many tokens, as its users start it (`-np 16 -kvu`; its host-memory prompt
-  cache, `--cache-ram`, 8 GiB by default, is on), on a GGUF of kvstrata's dummy weights (`--gguf-type`);
+- `llama-server`: `-c` of that many tokens (or `--llama-ctx`), as its users start it (`-np 16 -kvu`; its
+  host-memory prompt cache, `--cache-ram`, 8 GiB by default, is on), on a GGUF of kvstrata's dummy weights
+  (`--gguf-type`); `llama-server-swa-full` the same with `--swa-full` (not in the default systems);
 - `vllm`: `--kv-cache-memory-bytes` of that size, prefix caching on (it has no tier below).
 Printed per system: revisits' TTFT p50 / p99 / mean, the cached share of their prompt tokens (the
 server's usage; llama-server and vLLM report it too), first turns' mean TTFT, every turn's TPOT p50 (one
@@ -53,7 +54,8 @@ from kvstrata.model.arch import describe
 from kvstrata.model.sources import open_source
 from kvstrata.model.sources.packaged import PACKAGED, packaged_path
 
-SYSTEMS = ("kvstrata", "kvstrata-no-tiers", "kvstrata-swa-full", "kvstrata-tiers-swa-full", "llama-server", "vllm")
+SYSTEMS = ("kvstrata", "kvstrata-no-tiers", "kvstrata-swa-full", "kvstrata-tiers-swa-full", "llama-server",
+           "llama-server-swa-full", "vllm")
 PORT = 18660
 QUESTION, ANSWER = 24, 32
 logger = logging.getLogger("conversations")
@@ -96,10 +98,11 @@ def make_server(name: str, args: argparse.Namespace, scratch: Path, device_bytes
         return servers.kvstrata(name, PORT, "--kv-cache-memory", str(device_bytes), **served)
     if name == "kvstrata-swa-full":      # a hybrid shape's sliding layers at full length, as before KV groups
         return servers.kvstrata(name, PORT, "--kv-cache-memory", str(device_bytes), "--swa-full", **served)
-    if name == "llama-server":
+    if name.startswith("llama-server"):
         gguf = (packaged_path(args.model) if args.model in PACKAGED else Path(args.model)) if args.model else None
-        return servers.llama_server(name, PORT, shape=None if gguf else args.shape, gguf_type=args.gguf_type,
-                                    ctx=device_tokens, gguf=gguf)
+        return servers.llama_server(name, PORT, *(["--swa-full"] if name.endswith("swa-full") else []),
+                                    shape=None if gguf else args.shape, gguf_type=args.gguf_type,
+                                    ctx=args.llama_ctx or device_tokens, gguf=gguf)
     assert not args.model, "vLLM serves dummy shapes only here"
     return servers.vllm(name, PORT, shape=args.shape, kv_bytes=device_bytes, max_model_len=device_tokens)
 
@@ -170,6 +173,7 @@ def main() -> int:
     parser.add_argument("--revisits", type=int, default=48, help="turns after every conversation's first")
     parser.add_argument("--device-share", type=float, default=0.25, help="device KV, as a share of the working set")
     parser.add_argument("--host-share", type=float, default=0.5, help="kvstrata's host tier, likewise")
+    parser.add_argument("--llama-ctx", type=int, help="llama-server's -c (default: the device KV's tokens)")
     parser.add_argument("--gguf-type", default="q8_0", choices=("bf16", "q8_0", "q4_0"), help="llama-server's weights")
     parser.add_argument("--patience", type=float, default=120, help="seconds to wait for other jobs to leave the cores")
     parser.add_argument("--seed", type=int, default=0)

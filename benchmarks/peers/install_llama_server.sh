@@ -40,7 +40,7 @@ flags=$(grep -m1 '^flags' /proc/cpuinfo)
 # What each cap hides: every flag above its level.
 declare -A ABOVE=([avx2]="avx512f avx512vbmi avx512_vnni avx512_bf16 avx_vnni" [avx512]="avx512_vnni avx512_bf16 avx_vnni"
                   [avx512_vnni]="avx512_bf16 avx_vnni")
-hidden=" ${ABOVE[$CAP]:-} "
+hidden=" ${CAP:+${ABOVE[$CAP]}} "
 has() { [[ " $flags " == *" $1 "* && "$hidden" != *" $1 "* ]] && echo ON || echo OFF; }
 CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF
     -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)"

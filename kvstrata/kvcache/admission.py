@@ -208,14 +208,15 @@ class Admission:
             return True
         if self.store_io.needs_lookup(request.request_id, self._step):
             limit = self._max_hit_blocks(request)
-            if self.matcher is not None:                  # every group's pages, in one lookup
-                self.store_io.look_up(request.request_id, self.matcher.lookup_keys(request, limit), self._step, limit)
-                return self.store_io.answered(request.request_id, self._step)
             local = len(self._match(self.device, request, 0, limit))
             local += len(self._match(self.host, request, local, limit))
-            if local >= limit:
+            if local >= limit and (self.matcher is None
+                                   or self.matcher.match(request, limit, host=True, store=False).length == limit):
                 return True                               # nothing left for the store to supply
-            self.store_io.look_up(request.request_id, request.block_hashes[:limit], self._step)
+            if self.matcher is not None:                  # every group's pages, in one lookup
+                self.store_io.look_up(request.request_id, self.matcher.lookup_keys(request, limit), self._step, limit)
+            else:
+                self.store_io.look_up(request.request_id, request.block_hashes[:limit], self._step)
         return self.store_io.answered(request.request_id, self._step)
 
     def reserve_for_running(self) -> int:
@@ -264,7 +265,8 @@ class Admission:
         extra, num_cut = None, 0
         if self.matcher is not None:
             num_cut = len(hits) + len(host) + len(store)
-            extra = self.matcher.match(request, num_cut, lower=not request.device_hits_only)
+            lower = not request.device_hits_only
+            extra = self.matcher.match(request, num_cut, host=lower, store=lower)
             num_cut -= extra.length
             hits, host, store = _cut(extra.length, hits, host, store)
         num_hits = len(hits) + len(host) + len(store)

@@ -49,15 +49,15 @@ class GroupMatcher:
         hashes = request.block_hashes[:num_blocks]
         return [group_hash(block_hash, group) for group in range(self.groups.num_groups) for block_hash in hashes]
 
-    def match(self, request: Request, num_blocks: int, lower: bool) -> GroupHit:
+    def match(self, request: Request, num_blocks: int, host: bool, store: bool) -> GroupHit:
         """The longest hit of at most `num_blocks` blocks (group 0's) every other group serves, from the device
-        alone or, with `lower`, from the host and the store too."""
+        and, as asked, the host and the store."""
         size, groups = self.block_size, self.groups
         found: dict[tuple[int, int], Source | None] = {}
 
         def page(group: int, index: int) -> Source | None:
             if (group, index) not in found:
-                found[group, index] = self._find(request, group, index, lower)
+                found[group, index] = self._find(request, group, index, host, store)
             return found[group, index]
 
         others = range(1, groups.num_groups)
@@ -72,7 +72,7 @@ class GroupMatcher:
                 return self._hit(length, firsts, found)
         raise AssertionError("a hit of no block is always served")
 
-    def _find(self, request: Request, group: int, index: int, lower: bool) -> Source | None:
+    def _find(self, request: Request, group: int, index: int, host: bool, store: bool) -> Source | None:
         """Where group `group`'s page of block `index` is: the device first, then the host, then the store."""
         size = self.block_size
         key = group_hash(request.block_hashes[index], group)
@@ -80,12 +80,10 @@ class GroupMatcher:
         block = self.device.lookup(key, tokens)
         if block is not None:
             return "device", block
-        if not lower:
-            return None
-        block = self.host.lookup(key, tokens) if self.host is not None else None
+        block = self.host.lookup(key, tokens) if host and self.host is not None else None
         if block is not None:
             return "host", block
-        if self.store_io is not None and self.store_io.holds(request.request_id, group, index, key):
+        if store and self.store_io is not None and self.store_io.holds(request.request_id, group, index, key):
             return "store", key
         return None
 
