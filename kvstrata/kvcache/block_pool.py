@@ -53,6 +53,7 @@ class Block:
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None   # the content key, compared on every hit
     published: bool = True                     # whether the listener heard its hash (not a KV group's page: 1..)
+    stale: bool = False                        # cached, and no likely hit reads it: evicted first, never offloaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,7 @@ class EvictedBlock:
     block_hash: BlockHash
     token_ids: tuple[int, ...]
     published: bool = True
+    stale: bool = False
 
 
 class AuditError(AssertionError):
@@ -178,7 +180,8 @@ class BlockPool:
         evicted = []
         for _ in range(n):
             _, block = self._lru.popitem(last=False)
-            evicted.append(EvictedBlock(block.block_id, block.block_hash, block.token_ids, block.published))
+            evicted.append(EvictedBlock(block.block_id, block.block_hash, block.token_ids, block.published,
+                                        block.stale))
             self._forget(block)
             block.state = BlockState.FREE
             self._free.append(block)
@@ -207,7 +210,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._num_used -= 1
                 if block.block_hash is not None:
-                    block.state = BlockState.CACHED
+                    block.state, block.stale = BlockState.CACHED, stale
                     self._lru[block.block_id] = block
                     if stale:
                         self._lru.move_to_end(block.block_id, last=False)
@@ -281,7 +284,7 @@ class BlockPool:
             if self.listener is not None and block.published:
                 self.listener(block.block_hash, False)
         block.block_hash = block.token_ids = None
-        block.published = True
+        block.published, block.stale = True, False
 
     # ---- audit ----------------------------------------------------------------------------------
     def snapshot(self, with_order: bool = True) -> tuple:
@@ -304,7 +307,7 @@ class BlockPool:
                 f"block {item.block_id} was reused after eviction"
             self._free.remove(block)
             block.state, block.block_hash, block.token_ids = BlockState.CACHED, item.block_hash, item.token_ids
-            block.published = item.published
+            block.published, block.stale = item.published, item.stale
             self._indexed(item.block_hash, block)
             self._lru[block.block_id] = block
             self._lru.move_to_end(block.block_id, last=False)

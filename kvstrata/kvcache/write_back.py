@@ -37,8 +37,10 @@ class WriteBack:
         self.unpersisted: OrderedDict[BlockHash, tuple[int, ...]] = OrderedDict()   # see persist()
 
     def offload_evicted(self, evicted: Sequence[EvictedBlock]) -> None:
-        """Write-back: copy device blocks evicted from the cache to host (or straight to the store)."""
+        """Write-back: copy device blocks evicted from the cache to host (or straight to the store); not a stale
+        one (a sliding page no likely hit reads, kvstrata.kvcache.growth): it would push out pages hits read."""
         self.stats.count(self.stats.evicted_blocks, "device", len(evicted))
+        evicted = [item for item in evicted if not item.stale]
         if not evicted:
             return
         if self.host is None:

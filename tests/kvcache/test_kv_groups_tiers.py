@@ -26,7 +26,7 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 from kvstrata.kvcache.faults import FaultInjector
 from kvstrata.kvcache.kv_groups import KVGroups
 from tests.kvcache import test_tiers_state_machine as tiered
-from tests.kvcache.fakes import make_tiered_scheduler
+from tests.kvcache.fakes import drive, make_request, make_tiered_scheduler
 
 EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "500"))
 GROUP_STATES = ("group_host_load", "group_store_load", "window_released", "window_hit", "window_cut_hit", "restart",
@@ -99,3 +99,22 @@ def test_kv_groups_tiers_machine_long_run():
     """`make test-slow`: 10^5 steps."""
     reached = run_machine(2500)
     assert all(reached[state] for state in tiered.HARD_STATES + GROUP_STATES), reached
+
+
+def test_sliding_pages_no_likely_hit_reads_never_go_down_the_tiers():
+    """A sliding page let go outside the prompt's last window is evicted first and not copied to the host (it would
+    push out pages hits read); the same prompt sent again still hits whole, from the host."""
+    groups = KVGroups.for_windows([None, 4])
+    scheduler, runner, executor, clock, _ = make_tiered_scheduler(
+        num_blocks=64, num_host_blocks=64, block_size=2, store=False, groups=groups, max_num_batched_tokens=4)
+    prompt = [(5 * i) % 13 for i in range(20)]
+    first = drive(scheduler, runner, executor, [make_request("a", prompt, max_tokens=8, block_size=2)], clock)
+    tiers = scheduler.tiers
+    evicted = tiers.device.evict(tiers.device.num_cached)
+    stale = [item for item in evicted if item.stale]
+    tiers.write_back.offload_evicted(evicted)
+    assert stale and not any(item.published for item in stale)
+    assert tiers.host.num_cached == len(evicted) - len(stale)
+    assert not any(tiers.host.contains(item.block_hash) for item in stale)
+    again = drive(scheduler, runner, executor, [make_request("b", prompt, max_tokens=8, block_size=2)], clock)
+    assert again["b"] == first["a"] and tiers.stats.hit_tokens["host"] == 18
