@@ -65,6 +65,7 @@ Only this class and its parts call the pools; the scheduler sees block ids and c
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -84,6 +85,8 @@ from kvstrata.kvcache.loads import StoreLoads
 from kvstrata.kvcache.store_io import CacheStats, StoreIO
 from kvstrata.kvcache.transfers import BlockMover, Executor
 from kvstrata.kvcache.write_back import WriteBack
+
+logger = logging.getLogger(__name__)
 
 PROBE_WAIT_S = 0.005          # how long plan() waits for a store lookup before deferring the request
 
@@ -281,6 +284,8 @@ class TierManager:
         restarts = list(self.tables.restarts.values())
         self.tables.restarts.clear()
         for request in restarts:
+            logger.info("%s: a copy or load from a lower tier failed; it gives its pages back and waits again, "
+                        "its next admission taking device hits only", request.request_id)
             request.device_hits_only = True
         self.stats.restarts += len(restarts)
         return restarts
