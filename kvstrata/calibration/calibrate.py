@@ -297,8 +297,10 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
 
     config = EngineConfig.from_options(model=model, load_format=load_format, block_size=BLOCK_SIZE, kv_cache_memory="512MiB", max_model_len=4096,
                                        max_num_batched_tokens=MAX_CHUNK, max_num_seqs=64, threads=threads,
-                                       num_host_blocks=32, max_tpot_ms=0)   # a step-time target would cut
-    # the grid's prefill by what each step measured, so two passes would schedule different batches
+                                       num_host_blocks=32, max_tpot_ms=0, swa_full=True)
+    # max_tpot_ms=0: a step-time target would cut the grid's prefill by what each step measured, so two passes
+    # would schedule different batches; swa_full: the simulator prices a block as every layer's and models no
+    # KV groups yet, so a hybrid model is fitted with its sliding layers at full length (docs/design/model.md)
     engine = LLMEngine(config)
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
