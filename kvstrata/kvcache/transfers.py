@@ -61,12 +61,8 @@ class LoadTransfer:
     started: float
     deadline: float
     first_admission: bool            # the request's first admission: its hits count as cached prompt tokens
-    num_group0: int = -1             # -1: every target
-    whole: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_group0 < 0:
-            self.num_group0 = len(self.targets)
+    num_group0: int
+    whole: bool
 
     @property
     def orphaned(self) -> bool:

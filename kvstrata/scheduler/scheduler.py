@@ -249,8 +249,8 @@ class Scheduler:
     def _victims(self, index: int) -> list[Request]:
         """The worst running request, with its family's samples not scheduled in this step (from `index` on),
         last first."""
-        worst = self.running[-1]
-        return [r for r in reversed(self.running[index:]) if r is worst or (worst.family and r.family is worst.family)]
+        worst, family = self.running[-1], self.running[-1].family
+        return [r for r in reversed(self.running[index:]) if r is worst or (family is not None and r.family is family)]
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         deferred: list[Request] = []        # waiting for blocks another request is computing now

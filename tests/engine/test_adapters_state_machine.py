@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvstrata.core.config import EngineConfig
 from kvstrata.core.sampling_params import SamplingParams
 from kvstrata.engine.llm_engine import LLMEngine
+from tests.reached import assert_reached
 
 EXAMPLES = int(os.environ.get("KVSTRATA_ADAPTERS_MACHINE_EXAMPLES", "15"))
 STEPS = 30
@@ -150,9 +151,7 @@ def run_machine(smollm2, lora_adapters, tmp_path, examples: int) -> Counter:
     run_state_machine_as_test(adapters_machine(smollm2, lora_adapters, tmp_path, reached), settings=settings(
         max_examples=examples, stateful_step_count=STEPS, deadline=None, derandomize=True,
         suppress_health_check=list(HealthCheck)))
-    print("adapter machine reached:", dict(sorted(reached.items())))
-    missing = [state for state in REACHED if not reached[state]]
-    assert not missing, f"the adapter machine never reached {missing}: it proves nothing about them"
+    assert_reached(reached, REACHED, "adapter machine")
     return reached
 
 

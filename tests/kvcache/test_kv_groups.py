@@ -23,6 +23,7 @@ from kvstrata.core.request import RequestStatus
 from kvstrata.kvcache.faults import FaultInjector, FaultyMover
 from kvstrata.kvcache.kv_groups import KVGroups, group_hash
 from tests.kvcache.fakes import FakeMover, FakeRunner, drive, make_family, make_request, make_scheduler, step
+from tests.reached import assert_reached
 from tests.scheduler import test_scheduler_state_machine as base
 
 EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "1000")) // 4
@@ -103,9 +104,7 @@ class GroupsMachine(base.SchedulerMachine):
 
 def test_kv_groups_keep_their_books_and_reach_every_hard_state():
     reached = base.run_machine(EXAMPLES, 25, GroupsMachine, REACHED)
-    print("KV group states reached:", dict(sorted(reached.items())))
-    missing = [state for state in HARD_STATES if not reached[state]]
-    assert not missing, f"the machine never reached {missing}: {dict(reached)}"
+    assert_reached(reached, HARD_STATES, "KV groups machine")
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from kvstrata.kvcache.faults import FaultInjector
 from kvstrata.kvcache.kv_groups import KVGroups
 from tests.kvcache import test_tiers_state_machine as tiered
 from tests.kvcache.fakes import drive, make_request, make_tiered_scheduler
+from tests.reached import assert_reached
 
 EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "500"))
 GROUP_STATES = ("group_host_load", "group_store_load", "window_released", "window_hit", "window_cut_hit", "restart",
@@ -89,9 +90,7 @@ def run_machine(examples: int) -> Counter:
 
 def test_kv_groups_through_every_tier_keep_their_books_under_faults():
     reached = run_machine(EXAMPLES)          # derandomized: at 500 the rarest states come ten times or more
-    print("hard states reached with KV groups (runs or steps):", dict(sorted(reached.items())))
-    missing = [state for state in tiered.HARD_STATES + GROUP_STATES if not reached[state]]
-    assert not missing, f"the grouped tiers machine never reached {missing}: it proves nothing about them"
+    assert_reached(reached, tiered.HARD_STATES + GROUP_STATES, "grouped tiers machine")
 
 
 @pytest.mark.slow

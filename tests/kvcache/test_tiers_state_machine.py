@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 
 from kvstrata.kvcache.faults import FaultInjector
 from tests.kvcache.fakes import OracleProposer, drain, make_request, make_tiered_scheduler, step
+from tests.reached import assert_reached
 
 EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "500"))
 STEPS = 40
@@ -205,18 +206,14 @@ def run_machine(examples: int, steps: int, lookahead: int = 0) -> Counter:
 
 def test_tiers_keep_their_books_under_faults_and_reach_every_hard_state():
     reached = run_machine(EXAMPLES, STEPS)
-    print("hard states reached (runs or steps):", dict(sorted(reached.items())))
-    missing = [state for state in HARD_STATES if not reached[state]]
-    assert not missing, f"the state machine never reached {missing}: it proves nothing about them"
+    assert_reached(reached, HARD_STATES, "tiers machine")
 
 
 def test_speculative_steps_keep_the_books_of_every_tier_under_faults():
     # twice the plain machine's runs: with drafts the rarest states come less often (at half, bad_record
     # was missed once in a full suite run; at 1x, step_with_loading_and_running came 2 times in one run)
     reached = run_machine(6 * EXAMPLES // 5, STEPS, lookahead=4)     # every state reached at 600 (derandomized)
-    print("hard states reached with speculation (runs or steps):", dict(sorted(reached.items())))
-    missing = [state for state in HARD_STATES + SPEC_STATES if not reached[state]]
-    assert not missing, f"the speculative machine never reached {missing}: it proves nothing about them"
+    assert_reached(reached, HARD_STATES + SPEC_STATES, "speculative tiers machine")
 
 
 @pytest.mark.slow

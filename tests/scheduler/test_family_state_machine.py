@@ -19,6 +19,7 @@ from hypothesis.stateful import initialize, precondition, rule, run_state_machin
 
 from kvstrata.core.request import RequestStatus
 from tests.kvcache.fakes import make_family, step
+from tests.reached import assert_reached
 from tests.scheduler.test_scheduler_state_machine import PREFIXES, SchedulerMachine
 
 EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "2000")) // 2
@@ -109,6 +110,4 @@ def test_families_keep_the_books_and_reach_every_family_state():
     run_state_machine_as_test(FamilyMachine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
-    print("family states reached (steps):", dict(sorted(REACHED.items())))
-    missing = [state for state in FAMILY_STATES if not REACHED[state]]
-    assert not missing, f"the state machine never reached {missing}: {dict(REACHED)}"
+    assert_reached(REACHED, FAMILY_STATES, "family machine")

@@ -24,6 +24,7 @@ from hypothesis.stateful import (
 
 from kvstrata.core.request import RequestStatus
 from tests.kvcache.fakes import FakeMover, FakeRunner, drain, make_request, make_scheduler, step
+from tests.reached import assert_reached
 
 EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "1000"))
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
@@ -138,9 +139,7 @@ def run_machine(examples: int, steps: int, machine: type = SchedulerMachine, rea
 
 def test_scheduler_keeps_its_books_and_reaches_every_hard_state():
     reached = run_machine(EXAMPLES // 2, 25)       # each state dozens of times at 500; the slow run takes 10,000
-    print("hard states reached (steps):", dict(sorted(reached.items())))
-    missing = [state for state in HARD_STATES if not reached[state]]
-    assert not missing, f"the state machine never reached {missing}: {dict(reached)}"
+    assert_reached(reached, HARD_STATES, "scheduler machine")
 
 
 @pytest.mark.slow

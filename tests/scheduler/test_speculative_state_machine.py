@@ -22,6 +22,7 @@ from hypothesis.stateful import initialize, precondition, rule, run_state_machin
 
 from kvstrata.scheduler.drafts import DEFAULT_BREAK_EVEN, may_draft
 from tests.kvcache.fakes import OracleProposer, step
+from tests.reached import assert_reached
 from tests.scheduler.test_scheduler_state_machine import SchedulerMachine
 
 EXAMPLES = int(os.environ.get("KVSTRATA_STATE_MACHINE_EXAMPLES", "1000")) // 2
@@ -114,6 +115,4 @@ def run_machine(examples: int, steps: int) -> Counter:
 
 def test_speculative_steps_keep_the_books_and_reach_every_state():
     reached = run_machine(EXAMPLES, 25)
-    print("speculative states reached (steps):", dict(sorted(reached.items())))
-    missing = [state for state in SPEC_STATES if not reached[state]]
-    assert not missing, f"the state machine never reached {missing}: {dict(reached)}"
+    assert_reached(reached, SPEC_STATES, "speculative machine")
