@@ -107,29 +107,49 @@ def rows_case(dtype, bs, g, d, seed):
     return torch.randn(sum(sizes), kvh, g, d, generator=gen), kv, tables, starts, lens
 
 
-def per_position(tables, starts, lens):
+def per_position(tables, starts, lens, window=0):
     """The decode kernel's view of a rows call: each position's table row, first key and key count."""
     table_rows, ends = [], []
     for s in range(len(lens)):
         n = int(starts[s + 1] - starts[s])
         table_rows += [s] * n
         ends += [int(lens[s]) - (n - 1 - i) for i in range(n)]
-    return tables[table_rows], torch.zeros(len(ends), dtype=torch.int64), torch.tensor(ends)
+    ends = torch.tensor(ends)
+    first = (ends - window).clamp(min=0) if window else torch.zeros(len(ends), dtype=torch.int64)
+    return tables[table_rows], first, ends
+
+
+def released(kv, tables, starts, lens, window):
+    """A sliding layer's tables: each segment's blocks before its first position's window point at a block of
+    NaNs (the runner points them at block 0), so a key read outside a window shows in the output."""
+    spare = min(set(range(kv.shape[2])) - set(tables.flatten().tolist()))
+    kv[:, :, spare] = float("nan")
+    tables = tables.clone()
+    for s in range(len(lens)):
+        low = max(0, int(lens[s]) - int(starts[s + 1] - starts[s]) + 1 - window)
+        tables[s, :low // kv.shape[3]] = spare
+    assert (tables == spare).any()
+    return tables
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_equal_float64_attention_and_the_decode_path_bit_for_bit(kernel, dtype):
+@pytest.mark.parametrize("window", [0, 7, 16, 29])
+def test_rows_equal_float64_attention_and_the_decode_path_bit_for_bit(kernel, dtype, window):
     """Prefill chunks through the many-rows path: within float32 rounding of float64 attention, and each
     row bit-identical to what the decode kernel gives it, so a token's K/V do not depend on the path
     that computed them. Runs of 4, 3 and 1 rows (G = 3 and 7 at the diagonal, G = 1 and 16) and head
     dim 16 (one vector per row). The 5-position segment is read in place (a verification's size), the
-    others through prepared tiles."""
+    others through prepared tiles. With a window (a sliding layer: on and off the 16-key tile) each position
+    sees its last `window` keys, its table holds nothing before the window (NaN blocks there), and the decode
+    path it must match starts at the window too."""
     cases = 0
     for bs, (g, d) in itertools.product((1, 4, 16, 32), ((1, 16), (3, 64), (7, 32), (16, 16), (2, 128))):
         q, kv, tables, starts, lens = rows_case(dtype, bs, g, d, seed=cases)
+        if window:
+            tables = released(kv, tables, starts, lens, window)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
-        kernel.rows(q, kv, tables, starts, lens, d ** -0.5, out, lse)
-        position_tables, first, ends = per_position(tables, starts, lens)
+        kernel.rows(q, kv, tables, starts, lens, d ** -0.5, out, lse, window)
+        position_tables, first, ends = per_position(tables, starts, lens, window)
         ref_out, ref_lse = reference(q, kv, position_tables, first, ends)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
         torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0)

@@ -38,19 +38,19 @@ class PagedDecode:
                                   kv_layer.shape[2], kv_layer.shape[3], scale, out.data_ptr(), lse.data_ptr())
 
     def rows(self, q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor,
-             lens: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+             lens: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor, window: int = 0) -> None:
         """Attention of q (T, KVH, G, D) float32, in segments of positions: segment s is rows
         [starts[s], starts[s + 1]) and reads the blocks tables[s]; position i of its n sees keys
-        [0, lens[s] - n + 1 + i). Into out (T, KVH, G, D) and lse (T, KVH, G), float32; starts (S + 1,)
-        and lens (S,) int64."""
+        [0, lens[s] - n + 1 + i), or with `window` the last `window` of them (only their blocks need be in
+        the table). Into out (T, KVH, G, D) and lse (T, KVH, G), float32; starts (S + 1,) and lens (S,) int64."""
         segments = lens.shape[0]
         _check(q, kv_layer, tables, out, lse)
         assert starts.dtype == lens.dtype == torch.int64 and tables.shape[0] == segments
         assert starts.shape == (segments + 1,) and int(starts[-1]) <= q.shape[0]
-        assert starts.is_contiguous() and lens.is_contiguous()
+        assert starts.is_contiguous() and lens.is_contiguous() and window >= 0
         self.lib.kvs_paged_rows(q.data_ptr(), kv_layer.data_ptr(), int(kv_layer.dtype == torch.bfloat16),
                                 tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), segments,
-                                *q.shape[1:], kv_layer.shape[2], kv_layer.shape[3], scale, out.data_ptr(),
+                                window, *q.shape[1:], kv_layer.shape[2], kv_layer.shape[3], scale, out.data_ptr(),
                                 lse.data_ptr())
 
 

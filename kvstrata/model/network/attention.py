@@ -101,13 +101,14 @@ class KernelCall:
 class KernelRows:
     """Prefill rows [start, end) through the kernel's many-rows path, one segment per chunk: segment s
     is rows start + starts[s] .. start + starts[s + 1] - 1 and reads the blocks tables[s]; its last
-    position sees keys [0, lens[s]), each earlier one a key less."""
+    position sees keys [0, lens[s]), each earlier one a key less (a sliding layer's: the last `window` of them)."""
 
     start: int
     end: int
     tables: torch.Tensor           # (S, max_blocks) int64
     starts: torch.Tensor           # (S + 1,) int64
     lens: torch.Tensor             # (S,) int64
+    window: int = 0                # 0: every key
 
 
 @dataclass
@@ -195,7 +196,8 @@ class PagedAttention:
         """Masks are additive in `dtype` (SDPA would convert a boolean mask in every layer);
         `num_blocks` is the size of the cache the blocks are gathered from. `window`: the plan of a sliding layer,
         whose query at position p sees keys (p - window, p] only: decodes read from their window's start, no
-        group shares a prefix (it may lie outside a window), prefill chunks are masked in torch."""
+        group shares a prefix (it may lie outside a window), and prefill chunks read from their windows' start
+        (through the kernel, or masked in torch)."""
         planes = 2 * self.num_kv_heads
         device = batch.input_ids.device
         qsl = batch.query_start_loc
@@ -221,9 +223,9 @@ class PagedAttention:
                 first = (batch.seq_lens[:nd] - window).clamp_(min=0)
             in_place = KernelCall(0, nd, batch.block_tables[:nd], first, batch.seq_lens[:nd])
         prefills, rows = [], None
-        if kernel and batch.num_seqs > nd and window is None:
+        if kernel and batch.num_seqs > nd:
             starts = torch.tensor(qsl[nd:], dtype=torch.int64, device=device) - qsl[nd]
-            rows = KernelRows(qsl[nd], qsl[-1], batch.block_tables[nd:], starts, batch.seq_lens[nd:])
+            rows = KernelRows(qsl[nd], qsl[-1], batch.block_tables[nd:], starts, batch.seq_lens[nd:], window or 0)
         for b in range(nd, batch.num_seqs):
             start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
             n = end - start
@@ -337,7 +339,7 @@ class PagedAttention:
         if plan.rows is not None:
             r = plan.rows
             self.kernel.rows(rows(qf, r.start, r.end), kv_layer, r.tables, r.starts, r.lens, scale,
-                             rows(o, r.start, r.end), rows(lse, r.start, r.end))
+                             rows(o, r.start, r.end), rows(lse, r.start, r.end), r.window)
         return o.view(t, -1).to(dtype)
 
     def _decodes(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, out: torch.Tensor) -> None:
@@ -396,7 +398,7 @@ class PagedAttention:
     def _rows(self, q: torch.Tensor, kv_layer: torch.Tensor, rows: KernelRows, out: torch.Tensor) -> None:
         """Prefill rows [rows.start, rows.end) of q (T, H, D) through the kernel into out (T, H * D)."""
         qf, o, lse = self._kernel_buffers(q, rows.start, rows.end)
-        self.kernel.rows(qf, kv_layer, rows.tables, rows.starts, rows.lens, self.scale, o, lse)
+        self.kernel.rows(qf, kv_layer, rows.tables, rows.starts, rows.lens, self.scale, o, lse, rows.window)
         out[rows.start:rows.end] = o.view(rows.end - rows.start, -1)
 
     def _kernel_buffers(self, q: torch.Tensor, start: int, end: int

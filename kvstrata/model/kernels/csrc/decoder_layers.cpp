@@ -78,8 +78,8 @@ void kvs_decoder_layers(const KvsKernels* k, const KvsLayer* layers, int64_t n_l
                             s->decodes, kvh, g, s->head_dim, s->num_blocks, s->block_size, s->scale, o, lse);
         if (s->segments)
             k->paged_rows(q + s->rows_start * hd, layer.kv, 1, s->row_tables, s->row_table_stride, s->starts,
-                          s->row_lens, s->segments, kvh, g, s->head_dim, s->num_blocks, s->block_size, s->scale,
-                          o + s->rows_start * hd, lse + s->rows_start * s->heads);
+                          s->row_lens, s->segments, 0, kvh, g, s->head_dim, s->num_blocks, s->block_size,
+                          s->scale, o + s->rows_start * hd, lse + s->rows_start * s->heads);
         clock.lap(ATTENTION);
         narrow_rows(o, ob, t * hd);
         clock.lap(REST);

@@ -41,8 +41,8 @@ KVS_API void kvs_paged_decode(const float* q, const void* kv, int64_t bf16, cons
                               float* lse);
 KVS_API void kvs_paged_rows(const float* q, const void* kv, int64_t bf16, const int64_t* tables,
                             int64_t table_stride, const int64_t* starts, const int64_t* lens, int64_t segments,
-                            int64_t kvh, int64_t g, int64_t d, int64_t num_blocks, int64_t bs, float scale,
-                            float* out, float* lse);
+                            int64_t window, int64_t kvh, int64_t g, int64_t d, int64_t num_blocks, int64_t bs,
+                            float scale, float* out, float* lse);
 
 // ---- norm_act.cpp -------------------------------------------------------------------------------------------
 KVS_API int64_t kvs_rope_max_head_dim();

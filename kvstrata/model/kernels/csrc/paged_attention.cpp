@@ -92,22 +92,51 @@ constexpr int MAX_ROWS = 48;     // query rows of one item: positions x G
 struct RowItem {
     const float* q;          // its first position's rows: (G, D) per position, `stride` floats apart
     const float* tiles;      // its (segment, kv head)'s prepared tiles: Kt (D x W) then V (W x D), each
-    int64_t len0;            // position i of the item sees keys [0, len0 + i)
+    int64_t tile0;           // the key of its first prepared tile
+    int64_t len0;            // position i of the item sees keys [0, len0 + i), or their last `window`
+    int64_t window;          // 0: every key
     int positions;
     int64_t stride;          // floats from one position's rows to the next (in q, out; lse: / D)
     float* out;              // like q
     float* lse;              // (G,) per position, stride / D apart
 };
 
-// An item's rows scaled into q, their sums and maxima zeroed, and the keys each sees (position i: len0 + i).
+INLINE int tile_keys(int64_t len, int64_t tile) { return static_cast<int>(len - tile < W ? len - tile : W); }
+INLINE int tile_low(int64_t low, int64_t tile) { return static_cast<int>(low > tile ? low - tile : 0); }
+
+// An item's rows scaled into q, their sums and maxima zeroed, and the keys each sees: [low, len) (position i:
+// len0 + i, and low its window's first key).
 INLINE void start_rows(const RowItem& it, int g, int d, float scale, float* q, float* acc, float* m, float* l,
-                       int64_t* len) {
+                       int64_t* low, int64_t* len) {
     for (int p = 0; p < it.positions; ++p)
         for (int i = 0; i < g * d; ++i) {
             q[p * g * d + i] = it.q[p * it.stride + i] * scale;
             acc[p * g * d + i] = 0.f;
         }
-    for (int r = 0; r < it.positions * g; ++r) { m[r] = -INFINITY; l[r] = 0.f; len[r] = it.len0 + r / g; }
+    for (int r = 0; r < it.positions * g; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        len[r] = it.len0 + r / g;
+        low[r] = it.window > 0 && len[r] > it.window ? len[r] - it.window : 0;
+    }
+}
+
+// The rows of an item that see keys of tile `tile`: [first, stop), both only ever growing with the tile (a row's
+// window starts no earlier than the row before's); runs of up to four of them that see the same keys of it go to
+// `attend(r, run, lo, hi)` in order. A row's first tile is the one holding its window's first key, as for a decode.
+template <typename F>
+INLINE void tile_runs(const int64_t* low, const int64_t* len, int n, int g, int64_t tile, int& first, int& stop,
+                      F attend) {
+    while (len[first] <= tile) first += g;
+    while (stop < n && low[stop] < tile + W) stop += g;
+    for (int r = first; r < stop;) {
+        const int lo = tile_low(low[r], tile), hi = tile_keys(len[r], tile);
+        int run = 1;
+        while (run < 4 && r + run < stop && tile_low(low[r + run], tile) == lo && tile_keys(len[r + run], tile) == hi)
+            ++run;
+        attend(r, run, lo, hi);
+        r += run;
+    }
 }
 
 // The rows' outputs (sums over their softmax totals) and log-sum-exps, where the item's caller reads them.
@@ -120,33 +149,26 @@ INLINE void finish_rows(const RowItem& it, int g, int d, const float* acc, const
     }
 }
 
-INLINE int tile_keys(int64_t len, int64_t tile) { return static_cast<int>(len - tile < W ? len - tile : W); }
-
 INLINE void attend_rows(const RowItem& it, int g, int d, float scale) {
     const int c = d / W, n = it.positions * g;
     alignas(64) float q[MAX_ROWS * MAX_D], acc[MAX_ROWS * MAX_D];
     float m[MAX_ROWS], l[MAX_ROWS];
-    int64_t len[MAX_ROWS];
-    start_rows(it, g, d, scale, q, acc, m, l, len);
+    int64_t low[MAX_ROWS], len[MAX_ROWS];
+    start_rows(it, g, d, scale, q, acc, m, l, low, len);
     const int64_t end = it.len0 + it.positions - 1;       // the last row's keys
-    int first_row = 0;                                   // rows before it see no key of this tile
-    for (int64_t tile = 0; tile < end; tile += W) {
-        while (len[first_row] <= tile) first_row += g;
-        const float* kt = it.tiles + tile / W * 2 * W * d;
+    int first = 0, stop = 0;
+    for (int64_t tile = low[0] / W * W; tile < end; tile += W) {
+        const float* kt = it.tiles + (tile - it.tile0) / W * 2 * W * d;
         const float* vt = kt + W * d;
-        for (int r = first_row; r < n;) {                 // runs of up to 4 rows that see the same keys
-            const int hi = tile_keys(len[r], tile);
-            int run = 1;
-            while (run < 4 && r + run < n && tile_keys(len[r + run], tile) == hi) ++run;
+        tile_runs(low, len, n, g, tile, first, stop, [&](int r, int run, int lo, int hi) {
             float *qr = q + r * d, *ar = acc + r * d;
             switch (run) {
-                case 1: rows_transposed<1>(qr, ar, m + r, l + r, kt, vt, hi, c, d); break;
-                case 2: rows_transposed<2>(qr, ar, m + r, l + r, kt, vt, hi, c, d); break;
-                case 3: rows_transposed<3>(qr, ar, m + r, l + r, kt, vt, hi, c, d); break;
-                default: rows_transposed<4>(qr, ar, m + r, l + r, kt, vt, hi, c, d); break;
+                case 1: rows_transposed<1>(qr, ar, m + r, l + r, kt, vt, lo, hi, c, d); break;
+                case 2: rows_transposed<2>(qr, ar, m + r, l + r, kt, vt, lo, hi, c, d); break;
+                case 3: rows_transposed<3>(qr, ar, m + r, l + r, kt, vt, lo, hi, c, d); break;
+                default: rows_transposed<4>(qr, ar, m + r, l + r, kt, vt, lo, hi, c, d); break;
             }
-            r += run;
-        }
+        });
     }
     finish_rows(it, g, d, acc, m, l);
 }
@@ -164,29 +186,24 @@ INLINE void attend_in_place(const RowItem& it, const T* kp, const T* vp, const i
     alignas(64) float q[MAX_ROWS * MAX_D], acc[MAX_ROWS * MAX_D];
     alignas(64) T kbuf[W * MAX_D], vbuf[W * MAX_D];
     float m[MAX_ROWS], l[MAX_ROWS];
-    int64_t len[MAX_ROWS];
-    start_rows(it, g, d, scale, q, acc, m, l, len);
+    int64_t low[MAX_ROWS], len[MAX_ROWS];
+    start_rows(it, g, d, scale, q, acc, m, l, low, len);
     const int64_t end = it.len0 + it.positions - 1;       // the last row's keys
-    int first_row = 0;
-    for (int64_t tile = 0; tile < end; tile += W) {
-        while (len[first_row] <= tile) first_row += g;
+    int first = 0, stop = 0;
+    for (int64_t tile = low[0] / W * W; tile < end; tile += W) {
         const T *kf, *vf;
         tile_keys_of(kp, vp, table, tile, end, bs, d, kbuf, vbuf, kf, vf);
-        for (int r = first_row; r < n;) {
-            const int hi = tile_keys(len[r], tile);
-            int run = 1;
-            while (run < 4 && r + run < n && tile_keys(len[r + run], tile) == hi) ++run;
+        tile_runs(low, len, n, g, tile, first, stop, [&](int r, int run, int lo, int hi) {
             i16v valid;
-            for (int j = 0; j < W; ++j) valid[j] = j < hi ? -1 : 0;
+            for (int j = 0; j < W; ++j) valid[j] = j >= lo && j < hi ? -1 : 0;
             float *qr = q + r * d, *ar = acc + r * d;
             switch (run) {
-                case 1: rows<1, T>(qr, ar, m + r, l + r, kf, vf, valid, 0, hi, c, d); break;
-                case 2: rows<2, T>(qr, ar, m + r, l + r, kf, vf, valid, 0, hi, c, d); break;
-                case 3: rows<3, T>(qr, ar, m + r, l + r, kf, vf, valid, 0, hi, c, d); break;
-                default: rows<4, T>(qr, ar, m + r, l + r, kf, vf, valid, 0, hi, c, d); break;
+                case 1: rows<1, T>(qr, ar, m + r, l + r, kf, vf, valid, lo, hi, c, d); break;
+                case 2: rows<2, T>(qr, ar, m + r, l + r, kf, vf, valid, lo, hi, c, d); break;
+                case 3: rows<3, T>(qr, ar, m + r, l + r, kf, vf, valid, lo, hi, c, d); break;
+                default: rows<4, T>(qr, ar, m + r, l + r, kf, vf, valid, lo, hi, c, d); break;
             }
-            r += run;
-        }
+        });
     }
     finish_rows(it, g, d, acc, m, l);
 }
@@ -222,10 +239,12 @@ void kvs_paged_decode(const float* q, const void* kv, int64_t bf16, const int64_
 
 // Query rows of segments of positions, each segment's positions reading one block table: q (T, kvh, g, d)
 // float32 (T rows; segment s is rows [starts[s], starts[s + 1])); tables (S, table_stride) int64; lens (S,):
-// position i of a segment's n sees keys [0, lens - n + 1 + i). out like q, lse (T, kvh, g). Same
-// requirements as kvs_paged_decode, and every position sees at least one key.
+// position i of a segment's n sees keys [0, lens - n + 1 + i), or with `window` > 0 (a sliding layer) the last
+// `window` of them, whose blocks alone the table need hold (a position reads from its window's first tile on,
+// as a decode with `first` at its window's start does, so the two paths give a row the same bits). out like q,
+// lse (T, kvh, g). Same requirements as kvs_paged_decode, and every position sees at least one key.
 void kvs_paged_rows(const float* q, const void* kv, int64_t bf16, const int64_t* tables, int64_t table_stride,
-                    const int64_t* starts, const int64_t* lens, int64_t segments,
+                    const int64_t* starts, const int64_t* lens, int64_t segments, int64_t window,
                     int64_t kvh, int64_t g, int64_t d, int64_t num_blocks, int64_t bs, float scale, float* out,
                     float* lse) {
     // Positions per item: as many as MAX_ROWS holds, fewer when that would leave threads idle.
@@ -234,11 +253,15 @@ void kvs_paged_rows(const float* q, const void* kv, int64_t bf16, const int64_t*
     const int64_t elem = bf16 ? 2 : 4, tile_floats = 2 * W * d;
     const int64_t plane = num_blocks * bs * d * elem;
     const char* base = static_cast<const char*>(kv);
-    // Prepared tiles: segment s, kv head h from float (tile_first[s] * kvh + h * tiles(s)) * tile_floats on.
-    // Segments of IN_PLACE_POSITIONS or fewer are read in place and get no prepared tiles.
-    std::vector<int64_t> tile_first(segments + 1, 0);
-    for (int64_t s = 0; s < segments; ++s)
-        tile_first[s + 1] = tile_first[s] + (starts[s + 1] - starts[s] <= IN_PLACE_POSITIONS ? 0 : (lens[s] + W - 1) / W);
+    // Prepared tiles: segment s, kv head h from float (tile_first[s] * kvh + h * tiles(s)) * tile_floats on,
+    // the keys from its first position's first tile (key tile0[s]) to its last. Segments of IN_PLACE_POSITIONS
+    // or fewer are read in place and get no prepared tiles.
+    std::vector<int64_t> tile_first(segments + 1, 0), tile0(segments, 0);
+    for (int64_t s = 0; s < segments; ++s) {
+        const int64_t n = starts[s + 1] - starts[s], first_len = lens[s] - n + 1;
+        tile0[s] = window > 0 && first_len > window ? (first_len - window) / W * W : 0;
+        tile_first[s + 1] = tile_first[s] + (n <= IN_PLACE_POSITIONS ? 0 : (lens[s] + W - 1) / W - tile0[s] / W);
+    }
     thread_local std::vector<float> prepared;            // kept: a fresh buffer per call would fault its pages in
     if (prepared.size() < static_cast<size_t>(tile_first[segments] * kvh * tile_floats))
         prepared.resize(tile_first[segments] * kvh * tile_floats);
@@ -260,10 +283,10 @@ void kvs_paged_rows(const float* q, const void* kv, int64_t bf16, const int64_t*
             const int64_t* table = tables + s * table_stride;
             if (bf16)
                 prepare_tile(kt, kt + W * d, plane_at<uint16_t>(base, h, plane), plane_at<uint16_t>(base, kvh + h, plane),
-                             table, t * W, lens[s], static_cast<int>(bs), static_cast<int>(d));
+                             table, tile0[s] + t * W, lens[s], static_cast<int>(bs), static_cast<int>(d));
             else
                 prepare_tile(kt, kt + W * d, plane_at<float>(base, h, plane), plane_at<float>(base, kvh + h, plane), table,
-                             t * W, lens[s], static_cast<int>(bs), static_cast<int>(d));
+                             tile0[s] + t * W, lens[s], static_cast<int>(bs), static_cast<int>(d));
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; ++i) {
@@ -272,8 +295,8 @@ void kvs_paged_rows(const float* q, const void* kv, int64_t bf16, const int64_t*
             const int64_t len0 = lens[s] - (n - 1) + i0;
             const int count = static_cast<int>(starts[s + 1] - t0 < positions ? starts[s + 1] - t0 : positions);
             const int64_t row = t0 * stride + h * g * d, per = tile_first[s + 1] - tile_first[s];
-            const RowItem it{q + row, tiles + (tile_first[s] * kvh + h * per) * tile_floats, len0, count, stride,
-                             out + row, lse + row / d};
+            const RowItem it{q + row, tiles + (tile_first[s] * kvh + h * per) * tile_floats, tile0[s], len0, window,
+                             count, stride, out + row, lse + row / d};
             if (per > 0)
                 attend_rows(it, static_cast<int>(g), static_cast<int>(d), scale);
             else if (bf16)

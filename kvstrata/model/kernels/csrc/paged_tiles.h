@@ -131,13 +131,13 @@ INLINE void tile_keys_of(const T* kp, const T* vp, const int64_t* table, int64_t
 }
 
 // Many query rows against one key tile: prefill chunks (a row per position and query head, each
-// seeing keys [0, its position]). The tile's K is transposed into floats once (Kt: key j of element
-// x at Kt[x * W + j]) and read by every row, so a row's 16 scores come out as one vector, no
-// horizontal sums. Each score is summed in exactly the order of `rows` above (per lane l: the
-// products of elements l, l + 16, ... in turn; then the lanes folded by `transpose_sum`'s tree,
-// written out below as `lane_tree`), and the softmax and the P V sums are `rows`' own: a row gets
-// the bits the decode path gives it, so a token's K/V do not depend on whether it was prefilled or
-// decoded, or in which chunk.
+// seeing keys [0, its position], or a sliding layer's last `window` of them). The tile's K is
+// transposed into floats once (Kt: key j of element x at Kt[x * W + j]) and read by every row, so a
+// row's 16 scores come out as one vector, no horizontal sums. Each score is summed in exactly the
+// order of `rows` above (per lane l: the products of elements l, l + 16, ... in turn; then the lanes
+// folded by `transpose_sum`'s tree, written out below as `lane_tree`), and the softmax and the P V
+// sums are `rows`' own: a row gets the bits the decode path gives it, so a token's K/V do not depend
+// on whether it was prefilled or decoded, or in which chunk.
 
 // out[r] = the products of row r's elements l, l + W, l + 2W, ... with the tile's keys, summed in turn.
 template <int R>
@@ -167,17 +167,17 @@ INLINE void lane_tree(v16* out, const float* q, int d, const float* kt, int l, i
     for (int r = 0; r < R; ++r) out[r] = a[r] + b[r];
 }
 
-// One tile for R query rows that all see keys [0, hi) of it: `rows` with the scores from Kt.
+// One tile for R query rows that all see keys [lo, hi) of it: `rows` with the scores from Kt.
 template <int R>
 INLINE void rows_transposed(const float* q, float* acc, float* m, float* l, const float* kt, const float* vf,
-                            int hi, int c, int d) {
+                            int lo, int hi, int c, int d) {
     v16 s[R];
     lane_tree<R, 1>(s, q, d, kt, 0, c);
     i16v valid;
-    for (int j = 0; j < W; ++j) valid[j] = j < hi ? -1 : 0;
+    for (int j = 0; j < W; ++j) valid[j] = j >= lo && j < hi ? -1 : 0;
     alignas(64) float p[R][W];
     for (int r = 0; r < R; ++r) softmax_tile(s[r], valid, m[r], l[r], acc + r * d, p[r], c);
-    add_pv<R>(acc, p, vf, 0, hi, c, d);
+    add_pv<R>(acc, p, vf, lo, hi, c, d);
 }
 
 // One tile of a (segment, kv head)'s keys made ready for many rows: K transposed into floats, V widened.
