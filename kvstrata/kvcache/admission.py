@@ -214,9 +214,9 @@ class Admission:
                                    or self.matcher.match(request, limit, host=True, store=False).length == limit):
                 return True                               # nothing left for the store to supply
             if self.matcher is not None:                  # every group's pages, in one lookup
-                self.store_io.look_up(request.request_id, self.matcher.lookup_keys(request, limit), self._step, limit)
-            else:
-                self.store_io.look_up(request.request_id, request.block_hashes[:limit], self._step)
+                self.store_io.look_up(request.request_id, self.matcher.lookup_keys(request, local, limit), self._step)
+            else:                                         # the store continues the device and host's run
+                self.store_io.look_up(request.request_id, request.block_hashes[local:limit], self._step)
         return self.store_io.answered(request.request_id, self._step)
 
     def reserve_for_running(self) -> int:

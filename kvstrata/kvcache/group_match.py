@@ -44,10 +44,20 @@ class GroupMatcher:
         self.host = host
         self.store_io = store_io
 
-    def lookup_keys(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        """Every group's keys of the first `num_blocks` blocks, group 0's first: one store lookup for all."""
-        hashes = request.block_hashes[:num_blocks]
-        return [group_hash(block_hash, group) for group in range(self.groups.num_groups) for block_hash in hashes]
+    def lookup_keys(self, request: Request, start: int, num_blocks: int) -> list[BlockHash]:
+        """The keys one store lookup asks for every group, where group 0's device and host run ends at block
+        `start`: group 0's blocks from `start` to `num_blocks`, a sliding group's pages from the window of a hit
+        of `start` blocks on, another global group's pages the device and host lack. So a hit of `start` blocks
+        or more sees the store's every page it needs; a shorter one (some group short of its part at `start`)
+        finds the store's pages only where they were asked (or written by this engine since)."""
+        hashes, size = request.block_hashes, self.block_size
+        keys = list(hashes[start:num_blocks])
+        for group in range(1, self.groups.num_groups):
+            first = self.groups.first_needed(group, start * size, size)
+            sliding = self.groups.windows[group] is not None
+            keys += [group_hash(hashes[index], group) for index in range(first, num_blocks)
+                     if sliding or self._find(request, group, index, host=True, store=False) is None]
+        return keys
 
     def match(self, request: Request, num_blocks: int, host: bool, store: bool) -> GroupHit:
         """The longest hit of at most `num_blocks` blocks (group 0's) every other group serves, from the device
@@ -83,7 +93,7 @@ class GroupMatcher:
         block = self.host.lookup(key, tokens) if host and self.host is not None else None
         if block is not None:
             return "host", block
-        if store and self.store_io is not None and self.store_io.holds(request.request_id, group, index, key):
+        if store and self.store_io is not None and self.store_io.holds(request.request_id, key):
             return "store", key
         return None
 

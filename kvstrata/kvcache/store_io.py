@@ -1,6 +1,7 @@
 """`StoreIO`: the tier manager's calls to the store, each off the step loop and each with a deadline.
 
-    lookups   `exists` for a request's block hashes, whose answer plan() uses (see `prepare`)
+    lookups   `exists` for the keys of a request's blocks the device and host lack, whose answer plan()
+              uses (see `Admission.prepare`)
     loads     `get` of the records a committed plan loads (its LoadTransfer owns the blocks)
     writes    `put` of a block's record, `delete` of a bad one; past the deadline nobody waits
     written   the hashes this engine wrote and the order their writes landed in: nothing is written
@@ -72,13 +73,12 @@ class Lookup:
     last answer: a store that hangs costs one `timeout` per request, not one per step.
     """
 
-    hits: list[bool] | None = None     # the last answer; None until one arrives
-    span: int = 0                      # blocks each KV group's keys cover in `hits` (group 0's first)
-    asked_span: int = 0                # the same for `future`
+    held: set[BlockHash] | None = None   # the last answer: the keys asked that the store holds; None until one
     answered: int = -1                 # the step of the last answer (a failed or late lookup answers "none")
-    landed: int = -1                   # writes landed when the lookup of `hits` was sent
+    landed: int = -1                   # writes landed when the lookup of `held` was sent
     failed: bool = False               # the last lookup failed or timed out
     future: Future | None = None       # the lookup out now
+    asked: list[BlockHash] = field(default_factory=list)     # the keys `future` asks about
     asked_landed: int = -1             # writes landed when `future` was sent
     deadline: float = 0.0
 
@@ -111,17 +111,16 @@ class StoreIO:
         lookup = self._lookups.get(request_id)
         return lookup is None or (lookup.future is None and lookup.answered < step - 1)
 
-    def look_up(self, request_id: str, hashes: list[BlockHash], step: int, span: int | None = None) -> None:
-        """Send a lookup; wait up to `lookup_wait` for it unless the last one failed. With KV groups, `hashes`
-        holds each group's keys of `span` blocks, group 0's first."""
+    def look_up(self, request_id: str, keys: list[BlockHash], step: int) -> None:
+        """Send a lookup of `keys` (block hashes, or with KV groups any group's page keys); wait up to
+        `lookup_wait` for it unless the last one failed."""
         lookup = self._lookups.setdefault(request_id, Lookup())
         try:
-            lookup.future = self.executor.submit(self.store.exists, hashes)
-            lookup.asked_landed = self._num_landed
-            lookup.asked_span = len(hashes) if span is None else span
+            lookup.future = self.executor.submit(self.store.exists, keys)
+            lookup.asked, lookup.asked_landed = keys, self._num_landed
         except Exception as exc:                          # the executor refused (shut down): no hits
             self.error(exc)
-            lookup.hits, lookup.answered, lookup.failed = [], step, True
+            lookup.held, lookup.answered, lookup.failed = set(), step, True
             return
         lookup.deadline = self.clock() + self.timeout
         if not lookup.failed:
@@ -138,41 +137,40 @@ class StoreIO:
         if lookup.future is not None:
             if lookup.future.done():
                 try:
-                    lookup.hits, lookup.failed = list(lookup.future.result()), False
-                    lookup.landed, lookup.span = lookup.asked_landed, lookup.asked_span
+                    found = lookup.future.result()
+                    lookup.held = {key for key, held in zip(lookup.asked, found, strict=True) if held}
+                    lookup.landed, lookup.failed = lookup.asked_landed, False
                 except Exception as exc:                  # a failed lookup is no hit
                     self.error(exc)
-                    lookup.hits, lookup.failed = [], True
+                    lookup.held, lookup.failed = set(), True
                 lookup.future, lookup.answered = None, step
             elif self.clock() >= lookup.deadline:
                 self.stats.count(self.stats.store_errors, "timeout")
-                lookup.hits, lookup.failed = [], True
+                lookup.held, lookup.failed = set(), True
                 lookup.future, lookup.answered = None, step
-        return lookup.hits is not None and (lookup.future is None or lookup.failed)
+        return lookup.held is not None and (lookup.future is None or lookup.failed)
 
     def forget_lookup(self, request_id: str) -> None:
         self._lookups.pop(request_id, None)
 
     def hits(self, request_id: str, hashes: Sequence[BlockHash], start: int, stop: int) -> list[BlockHash]:
-        """`hashes[start:stop]`'s leading run the store holds (group 0's keys; see `holds`)."""
+        """`hashes[start:stop]`'s leading run the store holds (see `holds`)."""
         run = []
-        for index in range(start, stop):
-            if not self.holds(request_id, 0, index, hashes[index]):
+        for block_hash in hashes[start:stop]:
+            if not self.holds(request_id, block_hash):
                 break
-            run.append(hashes[index])
+            run.append(block_hash)
         return run
 
-    def holds(self, request_id: str, group: int, index: int, key: BlockHash) -> bool:
-        """Whether the store holds `key`, KV group `group`'s page of block `index`: by the last lookup's answer,
+    def holds(self, request_id: str, key: BlockHash) -> bool:
+        """Whether the store holds `key` (a block's hash, or a KV group's page key): by the last lookup's answer,
         or because a write of this engine landed after that lookup was sent, or is still running (a load queued
         behind it finds the record, or misses and recomputes). A write that landed before the lookup is what
-        the lookup saw."""
+        the lookup saw, or what it did not ask about (the device or host held it then)."""
         lookup = self._lookups.get(request_id)
         if lookup is None:
             return self._written.get(key, -1) > -1
-        found = lookup.hits or []
-        at = group * lookup.span + index
-        return (index < lookup.span and at < len(found) and found[at]) or self._written.get(key, -1) > lookup.landed
+        return key in (lookup.held or ()) or self._written.get(key, -1) > lookup.landed
 
     # ---- loads ----------------------------------------------------------------------------------
     def get(self, hashes: list[BlockHash]) -> Future:

@@ -26,7 +26,7 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 from kvstrata.kvcache.faults import FaultInjector
 from kvstrata.kvcache.kv_groups import KVGroups
 from tests.kvcache import test_tiers_state_machine as tiered
-from tests.kvcache.fakes import drive, make_request, make_tiered_scheduler
+from tests.kvcache.fakes import FakeStore, drive, make_request, make_tiered_scheduler
 from tests.reached import assert_reached
 
 EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "500"))
@@ -117,3 +117,42 @@ def test_sliding_pages_no_likely_hit_reads_never_go_down_the_tiers():
     assert not any(tiers.host.contains(item.block_hash) for item in stale)
     again = drive(scheduler, runner, executor, [make_request("b", prompt, max_tokens=8, block_size=2)], clock)
     assert again["b"] == first["a"] and tiers.stats.hit_tokens["host"] == 18
+
+
+class AskedStore(FakeStore):
+    """A FakeStore that keeps the keys of every lookup."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[list[bytes]] = []
+
+    def exists(self, keys):
+        self.asked.append(list(keys))
+        return super().exists(keys)
+
+
+def test_a_lookup_asks_the_store_only_what_the_device_and_host_lack():
+    """A conversation's next turn with its last turn on the device: the lookup asks for group 0's new blocks and a
+    sliding group's pages from the window of the device's hit on, not every group's every page (on Gemma 3 270M at
+    4,000 tokens that was 1,524 keys, the disk store's stat calls on every revisit). The turn still hits what the
+    device holds and answers as it does with no store at all."""
+    groups = KVGroups.for_windows([None, 4, None, 4])
+    store = AskedStore()
+    scheduler, runner, executor, clock, _ = make_tiered_scheduler(
+        num_blocks=64, num_host_blocks=16, block_size=2, store=store, groups=groups, max_model_len=128)
+    prompt = [(7 * i) % 17 + 1 for i in range(30)]
+    first = drive(scheduler, runner, executor, [make_request("a", prompt, max_tokens=6, block_size=2)], clock)
+    turn = prompt + first["a"] + [3, 1, 4, 1, 5, 9, 2]
+    store.asked.clear()
+    again = drive(scheduler, runner, executor, [make_request("b", turn, max_tokens=4, block_size=2)], clock)
+    limit = (len(turn) - 1) // 2
+    local = (len(prompt) + len(first["a"]) - 1) // 2      # the blocks the first turn left on the device
+    asked = store.asked[0]
+    assert len(asked) == (limit - local) + (limit - groups.first_needed(1, local * 2, 2))
+    assert len(asked) < groups.num_groups * limit / 2
+    assert scheduler.tiers.stats.hit_tokens["device"] >= local * 2
+    plain, plain_runner, plain_executor, plain_clock, _ = make_tiered_scheduler(
+        num_blocks=64, num_host_blocks=0, block_size=2, store=False, groups=groups, max_model_len=128)
+    alone = drive(plain, plain_runner, plain_executor, [make_request("b", turn, max_tokens=4, block_size=2)],
+                  plain_clock)
+    assert again["b"] == alone["b"]
