@@ -297,12 +297,11 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
 
     config = EngineConfig.from_options(model=model, load_format=load_format, block_size=BLOCK_SIZE, kv_cache_memory="512MiB", max_model_len=4096,
                                        max_num_batched_tokens=MAX_CHUNK, max_num_seqs=64, threads=threads,
-                                       num_host_blocks=32, max_tpot_ms=0, swa_full=True)
+                                       num_host_blocks=32, max_tpot_ms=0)
     # max_tpot_ms=0: a step-time target would cut the grid's prefill by what each step measured, so two passes
-    # would schedule different batches; swa_full: the simulator prices a block as every layer's and models no
-    # KV groups yet, so a hybrid model is fitted with its sliding layers at full length (docs/design/model.md)
+    # would schedule different batches
     engine = LLMEngine(config)
-    recorder = ShapeRecorder(engine.runner)
+    recorder = ShapeRecorder(engine.runner, tuple(engine.loaded.arch.windows or ()))
     engine.runner = recorder
     lay_out_as_after_traffic(engine)
     warm_up(engine)
@@ -313,7 +312,7 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     fitted_on = [_grid_identity(len(shapes), passes, probe, clock)]
     profile = dict(kv_bytes_per_token=spec.bytes_per_block // spec.block_size, host_link=host_link,
                    store_link=store_link, record_link=record_link, decode_link=decode_link,
-                   decode_in_place=recorder.runner.decodes_in_place,
+                   decode_in_place=recorder.runner.decodes_in_place, layer_windows=recorder.layer_windows,
                    machine={**current_machine().as_dict(), "dtype": str(engine.loaded.dtype).removeprefix("torch."),
                             "model": engine.loaded.name,
                             "path": engine_path(engine.loaded.runs(), torch.get_num_threads())},

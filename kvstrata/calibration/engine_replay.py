@@ -26,7 +26,8 @@ from pathlib import Path
 
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.sampling_params import SamplingParams
-from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.kvcache.kv_groups import kv_groups_for
+from kvstrata.sim.batch_shape import BatchShape, layer_mix
 from kvstrata.sim.config import SimConfig
 from kvstrata.sim.results import RequestRecord
 from kvstrata.sim.traces import TraceRequest, TraceTokens
@@ -71,8 +72,10 @@ class ShapeRecorder:
     """Stands in for the engine's runner to note each step's batch shape, then runs it; counts the
     decodes that could have carried drafts and those that did."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, layer_windows: tuple[int | None, ...] = ()):
         self.runner = runner
+        self.layer_windows = layer_windows             # the model's, by layer (none: every layer global)
+        self.mix = layer_mix(layer_windows)
         self.last: BatchShape | None = None
         self.last_drafted = False
         self.could_draft = 0
@@ -81,7 +84,7 @@ class ShapeRecorder:
     def execute(self, output, *rest):
         """The runner's `execute`, noting the step first (`rest`: the step's adapters, passed on)."""
         self.last = None if output.is_empty else BatchShape.of(output.chunks, self.runner.block_size,
-                                                               self.runner.decodes_in_place)
+                                                               self.runner.decodes_in_place, self.mix)
         self.last_drafted = any(c.draft_token_ids for c in output.chunks)
         for chunk in output.chunks:
             drafted = self.drafted_per_pos
@@ -110,10 +113,13 @@ def replay_on_engine(trace: list[TraceRequest], config: SimConfig, threads: int 
     from kvstrata.engine.llm_engine import LLMEngine
 
     max_len = max(r.input_length + r.output_length for r in trace)
+    # the capacities are tokens of every layer, as in the simulator: with KV groups each block is that many pages
+    pages = 1 if loaded is None else kv_groups_for(loaded.arch.windows or [None] * loaded.arch.num_layers,
+                                                   swa_full=config.swa_full).num_groups
     with tempfile.TemporaryDirectory(prefix="kvstrata-validate-") as store_dir:
         engine = LLMEngine(EngineConfig.from_options(
-            block_size=config.block_size, num_device_blocks=config.device_cache_tokens // config.block_size,
-            num_host_blocks=(config.host_cache_tokens or 0) // config.block_size,
+            block_size=config.block_size, num_device_blocks=config.device_cache_tokens // config.block_size * pages,
+            num_host_blocks=(config.host_cache_tokens or 0) // config.block_size * pages, swa_full=config.swa_full,
             store="disk" if config.store_cache_tokens != 0 else "none",
             store_path=store_dir if config.store_cache_tokens != 0 else None, persist=False,
             write_policy=config.write_policy, store_timeout=config.store_timeout,
@@ -129,7 +135,7 @@ def replay_on_engine(trace: list[TraceRequest], config: SimConfig, threads: int 
 
 
 def _replay(engine, trace: list[TraceRequest], config: SimConfig, clock: str) -> EngineRun:
-    recorder = ShapeRecorder(engine.runner)
+    recorder = ShapeRecorder(engine.runner, tuple(engine.loaded.arch.windows or ()))
     engine.runner = recorder
     waits = TransferWaits(engine.tiers)
     timer = CLOCKS[clock]

@@ -132,13 +132,13 @@ def offered_work(trace: list[TraceRequest], cost: CostModel, tokens_per_id: int,
     """Seconds the profile charges for serving the slice one request at a time, with every prefix
     an unbounded cache would hold (`ideal_hits`) cached."""
     tokens = TraceTokens(BlockHasher.create(BLOCK_SIZE, "offered"), tokens_per_id)
-    work = 0.0
+    work, mix = 0.0, cost.mix
     for r, hits in zip(trace, ideal_hits(trace, tokens)):
         for start in range(hits * BLOCK_SIZE, r.input_length, chunk):
             work += cost.step_seconds(BatchShape.alone(start, min(chunk, r.input_length - start), BLOCK_SIZE,
-                                                       cost.decode_in_place))
-        work += sum(cost.step_seconds(BatchShape.alone(r.input_length + i - 1, 1, BLOCK_SIZE, cost.decode_in_place))
-                    for i in range(1, r.output_length))
+                                                       cost.decode_in_place, mix))
+        work += sum(cost.step_seconds(BatchShape.alone(r.input_length + i - 1, 1, BLOCK_SIZE, cost.decode_in_place,
+                                                       mix)) for i in range(1, r.output_length))
     return work
 
 

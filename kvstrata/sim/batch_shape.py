@@ -6,12 +6,25 @@ prices it; the measurements behind each term are in docs/design/simulator.md ("T
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from kvstrata.kvcache.prefix_groups import group_cost_tokens, group_decodes
 
 KERNEL_TILE = 16   # keys the paged decode kernel attends at a time (W in kvstrata/model/csrc/paged_attention.cpp)
+
+# A model's layers by the keys they attend: (window, share of the layers), None a global layer's window. A batch's
+# attention terms are each kind's, weighted by its share (a coefficient prices a layer's average), so a hybrid
+# model's sliding layers count their window's keys only.
+LayerMix = tuple[tuple[int | None, float], ...]
+GLOBAL: LayerMix = ((None, 1.0),)
+
+
+def layer_mix(windows: Sequence[int | None]) -> LayerMix:
+    """The mix of a model whose layers have these windows (none: every layer global)."""
+    counts = Counter(windows)
+    return tuple((window, count / len(windows)) for window, count in counts.items()) or GLOBAL
 
 
 class BatchShape(NamedTuple):
@@ -63,8 +76,20 @@ class BatchShape(NamedTuple):
     prefix_pairs: int = 0         # query-key pairs of groups' shared prefixes, once per member
 
     @classmethod
-    def of(cls, chunks: Iterable, block_size: int, in_place: bool = False) -> BatchShape:
-        """The shape of a step's `ScheduledChunk`s; `in_place`: decodes read their blocks in place."""
+    def of(cls, chunks: Iterable, block_size: int, in_place: bool = False, mix: LayerMix = GLOBAL) -> BatchShape:
+        """The shape of a step's `ScheduledChunk`s; `in_place`: decodes read their blocks in place; `mix`: the
+        model's layers by window (its sliding layers' terms are their windows')."""
+        if mix == GLOBAL:
+            return cls._of(chunks, block_size, in_place, None)
+        chunks = list(chunks)
+        shapes = [(share, cls._of(chunks, block_size, in_place, window)) for window, share in mix]
+        return cls(*(sum(share * shape[i] for share, shape in shapes) for i in range(len(cls._fields))))
+
+    @classmethod
+    def _of(cls, chunks: Iterable, block_size: int, in_place: bool, window: int | None) -> BatchShape:
+        """The shape as layers of `window` (None: global) do the work: a sliding layer's rows read from their
+        window's first key (in place: its 16-key tile; gathered: its block) and a fresh chunk longer than the
+        window is masked, not causal."""
         prefill = kv = fresh = masked = count = 0
         decodes = []
         for chunk in chunks:
@@ -75,22 +100,24 @@ class BatchShape(NamedTuple):
             prefill += n
             count += 1
             if in_place:
-                fresh += kernel_pairs(start, n)
-                kv += -(-(start + n) // KERNEL_TILE) * KERNEL_TILE
-            elif start == 0:
+                fresh += kernel_pairs(start, n, window)
+                kv += -(-(start + n) // KERNEL_TILE) * KERNEL_TILE - _window_start(start + 1, window, KERNEL_TILE)
+            elif start == 0 and (window is None or n <= window):
                 fresh += causal_pairs(n)
+            elif start == 0:                          # its own keys under a mask: every pair computed
+                masked += n * n
             else:
-                keys = -(-(start + n) // block_size) * block_size
+                keys = -(-(start + n) // block_size) * block_size - _window_start(start + 1, window, block_size)
                 kv += keys
                 masked += n * keys
-        work = _decode_work(decodes, block_size, in_place)
+        work = _decode_work(decodes, block_size, in_place, window)
         return cls(prefill, len(decodes), kv + work.reads, fresh, masked, count, work.groups, work.pairs,
                    work.segments, work.lone_pairs, work.prefix_pairs)
 
     @classmethod
-    def alone(cls, start: int, n: int, block_size: int, in_place: bool = False) -> BatchShape:
+    def alone(cls, start: int, n: int, block_size: int, in_place: bool = False, mix: LayerMix = GLOBAL) -> BatchShape:
         """The shape of a step that runs one chunk of n tokens from position `start` and nothing else."""
-        return cls.of([_Chunk(start, range(n), ())], block_size, in_place)
+        return cls.of([_Chunk(start, range(n), ())], block_size, in_place, mix)
 
     def features(self) -> tuple[float, ...]:
         return (1.0, *self)
@@ -118,13 +145,26 @@ def causal_pairs(n: int) -> int:
                for first in range(0, n, tile))
 
 
-def kernel_pairs(start: int, n: int) -> int:
+def kernel_pairs(start: int, n: int, window: int | None = None) -> int:
     """Query-key pairs the paged kernel computes for a chunk of n positions after `start` others:
-    position i attends the 16-key tiles up to its own key, start + i + 1 keys rounded up."""
+    position i attends the 16-key tiles up to its own key, start + i + 1 keys rounded up (with a window, from
+    the tile of its window's first key, start + i + 1 - window, on)."""
     def upto(keys: int) -> int:                       # sum over k = 1 .. keys of k rounded up to a tile
         tiles, rest = divmod(keys, KERNEL_TILE)
         return KERNEL_TILE * (KERNEL_TILE * tiles * (tiles + 1) // 2 + rest * (tiles + 1))
-    return upto(start + n) - upto(start)
+
+    def below(keys: int) -> int:                      # sum over k = 0 .. keys - 1 of k rounded down to a tile
+        tiles, rest = divmod(max(0, keys), KERNEL_TILE)
+        return KERNEL_TILE * (KERNEL_TILE * tiles * (tiles - 1) // 2 + rest * tiles)
+    pairs = upto(start + n) - upto(start)
+    if window is None:
+        return pairs
+    return pairs - (below(start + n + 1 - window) - below(start + 1 - window))
+
+
+def _window_start(keys: int, window: int | None, unit: int) -> int:
+    """The first key read for a query that sees `keys` keys (or their last `window`), rounded down to `unit`."""
+    return 0 if window is None else max(0, keys - window) // unit * unit
 
 
 class _Chunk(NamedTuple):
@@ -144,13 +184,15 @@ class _DecodeWork(NamedTuple):
     prefix_pairs: int   # of groups' shared prefixes, per member
 
 
-def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeWork:
+def _decode_work(decodes: Sequence, block_size: int, in_place: bool, window: int | None = None) -> _DecodeWork:
     """What the decodes cost as the runner forms them: KV tokens gathered (each segment padded to
     its longest member, shared prefixes once; in place: the prefixes only), cascade groups,
     query-key pairs attended (each prefix once per member) and batched attention segments."""
     if not decodes:
         return _DecodeWork(0, 0, 0, 0, 0, 0)
     seq_lens = [d.start + 1 for d in decodes]
+    if window is not None:
+        return _sliding_decodes(seq_lens, block_size, in_place, window)
     blocks = [-(-n // block_size) for n in seq_lens]
     if len(decodes) < 2:
         keys = -(-seq_lens[0] // KERNEL_TILE) * KERNEL_TILE if in_place else blocks[0] * block_size
@@ -174,3 +216,14 @@ def _decode_work(decodes: Sequence, block_size: int, in_place: bool) -> _DecodeW
     lone = sum(own[start] for start, end in segments if end - start == 1)
     return _DecodeWork((padded + shared) * block_size, len(groups), padded * block_size, len(segments),
                        lone * block_size, shared_pairs * block_size)
+
+
+def _sliding_decodes(seq_lens: list[int], block_size: int, in_place: bool, window: int) -> _DecodeWork:
+    """A sliding layer's decodes: none shares a prefix (a group's may lie outside a window); in place each reads from
+    its window's first 16-key tile, gathered all of them read every block under a mask, in one padded segment."""
+    if in_place:
+        keys = [-(-n // KERNEL_TILE) * KERNEL_TILE - _window_start(n, window, KERNEL_TILE) for n in seq_lens]
+    else:
+        keys = [-(-n // block_size) * block_size for n in seq_lens]
+    pairs = sum(keys) if in_place else len(keys) * max(keys)
+    return _DecodeWork(0 if in_place else pairs, 0, pairs, 1, pairs if len(keys) == 1 else 0, 0)

@@ -37,6 +37,8 @@ class SimConfig:
     host_cores: float | None = None               # cores the whole fleet shares (None: each engine has its own)
     serving_overhead: float = 0.0                 # with host_cores: CPU seconds the fleet spends around a second
                                                   # of steps (HTTP, streaming, the router, the store's server)
+    swa_full: bool = False                        # a hybrid model's sliding layers at full length (the engine's
+                                                  # --swa-full), not in KV groups keeping their windows
 
     def validate(self) -> SimConfig:
         size = self.block_size

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata.core.machine import machine as current_machine
-from kvstrata.sim.batch_shape import BatchShape
+from kvstrata.sim.batch_shape import BatchShape, LayerMix, layer_mix
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class CostModel:
     decode_in_place: bool = False                # the engine fitted on read blocks in place (decodes, prefill chunks)
     machine: dict | None = None                  # a calibrated profile's CPU (kvstrata.core.machine), engine dtype
                                                  # and model (none: SmolLM2, which profiles fitted before naming it)
+    layer_windows: tuple[int | None, ...] = ()   # the model's sliding windows by layer (None: global; none given:
+                                                 # every layer global): its attention terms and KV groups
 
     def __post_init__(self) -> None:
         if len(self.compute) != len(FEATURES) or len(self.memory) != len(FEATURES):
@@ -87,13 +89,19 @@ class CostModel:
             m0 + m1 * p + m2 * d + m3 * kv + m4 * pairs + m5 * masked + m6 * chunks + m7 * groups + m8 * dpairs
             + m9 * segments + m10 * lone + m11 * prefix)
 
-    def block_bytes(self, block_size: int) -> int:
-        return self.kv_bytes_per_token * block_size
+    @property
+    def mix(self) -> LayerMix:
+        """Its model's layers by window, as BatchShape weighs a step's attention terms."""
+        return layer_mix(self.layer_windows)
 
-    def record_seconds(self, block_size: int, decode: bool = False) -> float:
-        """Engine-thread time to encode (or decode) one block's store record."""
+    def block_bytes(self, block_size: int, pages: int = 1) -> int:
+        """A block's bytes, or with KV groups a page's: one of a block's `pages` groups of layers."""
+        return self.kv_bytes_per_token * block_size // pages
+
+    def record_seconds(self, block_size: int, decode: bool = False, pages: int = 1) -> float:
+        """Engine-thread time to encode (or decode) one block's store record (a page's, with KV groups)."""
         link = self.decode_link if decode and self.decode_link is not None else self.record_link
-        return 0.0 if link is None else link.seconds(self.block_bytes(block_size))
+        return 0.0 if link is None else link.seconds(self.block_bytes(block_size, pages))
 
     # ---- files ----------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -117,7 +125,8 @@ class CostModel:
                    record_link=Link(**data["record_link"]) if data.get("record_link") else None,
                    decode_link=Link(**data["decode_link"]) if data.get("decode_link") else None,
                    fitted_on=tuple(data.get("fitted_on", ())),
-                   decode_in_place=bool(data.get("decode_in_place", False)), machine=data.get("machine"))
+                   decode_in_place=bool(data.get("decode_in_place", False)), machine=data.get("machine"),
+                   layer_windows=tuple(data.get("layer_windows", ())))
 
     def other_machine(self) -> str | None:
         """Why this calibrated profile does not time steps on this machine, or None where it does

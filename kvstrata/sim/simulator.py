@@ -38,6 +38,7 @@ from kvstrata.core.config import CacheConfig, SchedulerConfig
 from kvstrata.core.hashing import BlockHasher
 from kvstrata.core.request import AdapterRef, Request
 from kvstrata.core.sampling_params import SamplingParams
+from kvstrata.kvcache.kv_groups import kv_groups_for
 from kvstrata.kvcache.tiers import PROBE_WAIT_S, TierManager
 from kvstrata.scheduler.output import SchedulerOutput
 from kvstrata.scheduler.scheduler import Scheduler
@@ -106,6 +107,13 @@ class Simulator:
                              f"{device * size}; raise --device-cache-tokens or cap --max-input-tokens")
         host = everything if config.host_cache_tokens is None else config.host_cache_tokens // size
         store_blocks = None if config.store_cache_tokens is None else config.store_cache_tokens // size
+        # A hybrid model's KV groups: each tier holds pages (a block of one group's layers), num_groups a block's
+        # bytes; the capacities above are in tokens of every layer, as the engine's memory flags are.
+        self.mix = cost.mix
+        self.groups = kv_groups_for(cost.layer_windows, swa_full=config.swa_full) if cost.layer_windows else None
+        pages = 1 if self.groups is None else self.groups.num_groups
+        device, host = device * pages, host * pages
+        store_blocks = None if store_blocks is None else store_blocks * pages
         spec = config.speculative
         self.drafts = SimulatedDrafts(config.draft_acceptance, SAMPLED_TOKEN) if spec is not None else None
         self.lookahead = spec.num_speculative_tokens if spec is not None else 0
@@ -123,9 +131,10 @@ class Simulator:
         self.router = make_router(config.router, [e.scheduler for e in self.engines], self.tokens.per_trace_block)
 
     def _engine(self, index: int, cache: CacheConfig, scheduling: SchedulerConfig) -> _Engine:
-        block_bytes = self.cost.block_bytes(cache.block_size)
-        mover = NullMover(self.cost.host_link, block_bytes, self.cost.record_seconds(cache.block_size),
-                          self.cost.record_seconds(cache.block_size, decode=True))
+        pages = 1 if self.groups is None else self.groups.num_groups
+        block_bytes = self.cost.block_bytes(cache.block_size, pages)
+        mover = NullMover(self.cost.host_link, block_bytes, self.cost.record_seconds(cache.block_size, pages=pages),
+                          self.cost.record_seconds(cache.block_size, decode=True, pages=pages))
 
         def post_io(at: float, callback: Callable[[], None]) -> None:
             self._post(at, IO, self._on_io, (index, callback))
@@ -133,7 +142,8 @@ class Simulator:
         executor = VirtualExecutor(self.clock, self.cost.store_link, block_bytes, post_io, PROBE_WAIT_S,
                                    busy=lambda: mover.accrued)
         tiers = TierManager(cache, cache.num_device_blocks, cache.num_host_blocks, store=self.store, mover=mover,
-                            executor=executor, clock=self.clock, probe_wait=0)     # the executor answers in time
+                            executor=executor, clock=self.clock, probe_wait=0,     # the executor answers in time
+                            groups=self.groups, max_chunk_tokens=scheduling.max_num_batched_tokens)
         scheduler = Scheduler(scheduling, tiers, speculative=self.config.speculative, proposer=self.drafts)
         return _Engine(index, scheduler, tiers, mover, executor, StepCostModel())
 
@@ -206,7 +216,7 @@ class Simulator:
         engine.output = output                      # a step that only started loads still took its copies' time
         if not output.is_empty:
             seconds += self.cost.step_seconds(BatchShape.of(output.chunks, self.config.block_size,
-                                                            self.cost.decode_in_place))
+                                                            self.cost.decode_in_place, self.mix))
         engine.step_cpu_s += seconds
         engine.started = engine.since = self.clock.now
         engine.work_s = seconds

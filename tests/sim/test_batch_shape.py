@@ -59,12 +59,14 @@ def test_causal_pairs_are_whole_key_tiles_up_to_the_diagonal():
 
 
 
-def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, int, int, int, int | None]:
+def _planned(chunks: list[SimpleNamespace], in_place: bool,
+             window: int | None = None) -> tuple[int, int, int, int, int, int | None]:
     """Tokens PagedAttention gathers for these chunks, planned exactly as the runner plans a step
     (in place: and the keys the kernel makes ready for prefill chunks); tokens its decode attention
     covers (each row's own segment or, in place, its 16-key tiles); its decode attention calls;
     tokens attended by calls for one decode; tokens of the groups' prefixes, per member; in place,
-    the query-key pairs the kernel computes for prefill chunks (16-key tiles up to each position)."""
+    the query-key pairs the kernel computes for prefill chunks (16-key tiles up to each position). `window`: as a
+    sliding layer's plan has them."""
     decodes = [c for c in chunks if c.num_tokens == 1]
     order, groups = group_decodes([c.block_ids for c in decodes], [c.start + 1 for c in decodes], BS,
                                   group_cost_tokens(in_place))
@@ -73,7 +75,7 @@ def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, i
     attention = PagedAttention(num_heads=9, num_kv_heads=3, head_dim=64,
                                kernel=kernels.face(kernels.PagedDecode) if in_place else None)
     assert attention.reads_in_place(BS, torch.float32, torch.device("cpu")) == in_place
-    plan = attention.plan(batch, BS, num_blocks=1024, dtype=torch.float32)
+    plan = attention.plan(batch, BS, num_blocks=1024, dtype=torch.float32, window=window)
     planes = 2 * 3
     rows = 0 if plan.decode_rows is None else plan.decode_rows.shape[0]
     rows += sum(p.rows.shape[0] for p in plan.prefills if p.rows is not None)
@@ -88,18 +90,22 @@ def _planned(chunks: list[SimpleNamespace], in_place: bool) -> tuple[int, int, i
     ready = pairs = 0
     if prefill is not None:
         assert not plan.prefills
+        low = (lambda keys: 0) if window is None else (lambda keys: max(0, keys - window) // tile * tile)  # noqa: E731
         for s, keys in enumerate(prefill.lens.tolist()):
             n = int(prefill.starts[s + 1] - prefill.starts[s])
-            ready += -(-keys // tile) * tile
-            pairs += sum(-(-(keys - n + 1 + i) // tile) * tile for i in range(n))
+            ready += -(-keys // tile) * tile - low(keys - n + 1)
+            pairs += sum(-(-(keys - n + 1 + i) // tile) * tile - low(keys - n + 1 + i) for i in range(n))
     lone = kernel if len(decodes) == 1 else 0
     return rows // planes * BS + ready, kernel, int(call is not None), lone, prefixes, pairs
 
 
 
+@pytest.mark.parametrize("window", [None, 24, 100], ids=["global", "window-24", "window-100"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
 @pytest.mark.parametrize("case", ["shared", "distinct", "mixed", "small-shared", "one"])
-def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case, in_place):
+def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case, in_place, window):
+    """Every decode and chunk mix, planned as a global layer's and as sliding layers' (a window shorter than a fresh
+    chunk, and one longer than most contexts here)."""
     shared = list(range(500, 540))
     if case == "shared":
         chunks = [chunk(40 * BS + i, 1, shared + [600 + i]) for i in range(6)]
@@ -113,8 +119,8 @@ def test_batch_shape_counts_what_paged_attention_gathers_and_attends(case, in_pl
         chunks = ([chunk(40 * BS + i, 1, shared + [600 + i]) for i in range(4)]
                   + [chunk(70, 1, [700, 701, 702, 703, 704])]
                   + [chunk(0, 50, [800, 801, 802, 803]), chunk(33, 64, [900 + i for i in range(7)])])
-    shape = BatchShape.of(chunks, BS, in_place)
-    *counted, pairs = _planned(chunks, in_place)
+    shape = BatchShape.of(chunks, BS, in_place, ((window, 1.0),))
+    *counted, pairs = _planned(chunks, in_place, window)
     assert (shape.kv_tokens_read, shape.decode_pairs, shape.decode_segments, shape.lone_decode_pairs,
             shape.prefix_pairs) == tuple(counted)
     if in_place:                                   # prefill chunks: the kernel's tiles, nothing masked

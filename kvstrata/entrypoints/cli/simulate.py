@@ -69,7 +69,7 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
                      policy=args.policy, max_tpot_ms=args.max_tpot_ms, write_policy=args.write_policy,
                      store_timeout=args.store_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      host_cores=args.host_cores, serving_overhead=args.serving_overhead,
-                     audit=args.audit, **speculation(args)).validate()
+                     audit=args.audit, swa_full=args.swa_full, **speculation(args)).validate()
 
 
 def speculation(args: argparse.Namespace) -> dict:

@@ -92,6 +92,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "what its fleets used (default 0)")
     engine.add_argument("--write-policy", default="write_back", choices=WRITE_POLICIES)
     engine.add_argument("--store-timeout", type=float, default=SimConfig.store_timeout)
+    engine.add_argument("--swa-full", action="store_true",
+                        help="a hybrid profile's sliding layers at full length in every tier (`kvstrata serve "
+                             "--swa-full`), not in KV groups keeping their windows (the default)")
 
 
 def _add_speculation_flags(parser: argparse.ArgumentParser) -> None:
