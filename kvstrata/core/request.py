@@ -82,6 +82,8 @@ class Request:
     first_scheduled_time: float | None = None      # monotonic time of the first step that computed it
     num_preemptions: int = 0
     device_hits_only: bool = False  # its next admission takes device hits only (KV groups: a lower tier failed it)
+    num_shared_blocks: int = 0     # KV groups: leading blocks a tier held at its first admission, before a group
+                                   # lacking its window cut the hit: where its prompt left a prefix sent before
     family: SampleFamily | None = None              # the samples of one request that share its prefill
     sample_index: int = 0
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # sampling.bad_words as the tokenizer spells them

@@ -317,6 +317,7 @@ class Admission:
             request, size = plan.request, self.block_size
             self.stats.prompt_tokens += request.num_prompt_tokens
             request.num_cached_tokens = 0
+            request.num_shared_blocks = plan.extra.length + plan.num_cut_blocks if plan.extra is not None else 0
             self.stats.count_hits(request, "device", len(plan.hit_blocks) * size)
             self.stats.count_hits(request, "host", num_host_loaded * size)
 

@@ -88,18 +88,21 @@ class Growth:
 
     def _leave_window(self, rb: RequestBlocks) -> None:
         """With KV groups, give back the sliding groups' pages before their window: no later token of the request
-        reads them. Cached ones stay cached for a later hit's window, but only those of the prompt's last window
-        (what the same prompt sent again needs) are kept as long as any page; the others are evicted first (the
-        window a conversation's next turn needs is the request's last, given back when it ends). Not while
-        samples wait to fork from the request's prompt: one whose copy of the last block fails recomputes it
-        from the window before."""
+        reads them. Cached ones stay cached for a later hit's window, but only those of two windows are kept as
+        long as any page: the prompt's last (what the same prompt sent again needs) and the one ending where the
+        prompt left a prefix a tier held at its admission (what the next prompt sharing that prefix needs: a
+        system prompt, a shared preamble); the others are evicted first (the window a conversation's next turn
+        needs is the request's last, given back when it ends). Not while samples wait to fork from the request's
+        prompt: one whose copy of the last block fails recomputes it from the window before."""
         if self.groups is None or self.tables.leads_forks(rb.request):
             return
         size, request = self.block_size, rb.request
         resent = (request.num_prompt_tokens - 1) // size          # the hit of the same prompt again, in blocks
+        shared = request.num_shared_blocks                         # the hit of the next prompt sharing its prefix
         for group in range(1, self.groups.num_groups):
             stop = self.groups.first_needed(group, request.num_computed_tokens, size)
-            keep = range(self.groups.first_needed(group, resent * size, size), request.num_prompt_tokens // size)
+            keep = {*range(self.groups.first_needed(group, resent * size, size), request.num_prompt_tokens // size),
+                    *range(self.groups.first_needed(group, shared * size, size), shared)}
             released = rb.release_before(group, stop)
             self.stats.window_released += len(released)
             self.device.free([block for index, block in released if index not in keep], stale=True)

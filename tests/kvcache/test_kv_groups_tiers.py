@@ -156,3 +156,31 @@ def test_a_lookup_asks_the_store_only_what_the_device_and_host_lack():
     alone = drive(plain, plain_runner, plain_executor, [make_request("b", turn, max_tokens=4, block_size=2)],
                   plain_clock)
     assert again["b"] == alone["b"]
+
+
+def test_the_window_where_a_prompt_left_a_shared_prefix_is_kept():
+    """Prompts that share a prefix (a system prompt) and then differ: the first finds nothing cached and its window
+    at the prefix's end goes stale; the second finds the prefix's global pages but not that window (cut short), and
+    keeps the window where it left the prefix; so the third hits the whole prefix after every page went down to
+    the host."""
+    groups = KVGroups.for_windows([None, 4])
+    scheduler, runner, executor, clock, _ = make_tiered_scheduler(
+        num_blocks=64, num_host_blocks=64, block_size=2, store=False, groups=groups, max_num_batched_tokens=4)
+    tiers, system = scheduler.tiers, [(5 * i) % 13 + 1 for i in range(12)]       # 6 blocks
+
+    def ask(name: str, first: int) -> list[int]:
+        prompt = system + list(range(first, first + 6))
+        out = drive(scheduler, runner, executor, [make_request(name, prompt, max_tokens=2, block_size=2)], clock)
+        tiers.write_back.offload_evicted(tiers.device.evict(tiers.device.num_cached))    # stale pages dropped
+        return out[name]
+
+    ask("a", 20)
+    ask("b", 30)
+    assert tiers.stats.window_cut_hits == 1 and tiers.stats.hit_tokens["host"] == 0
+    third = ask("c", 40)
+    assert tiers.stats.window_cut_hits == 1 and tiers.stats.hit_tokens["host"] == len(system)
+    plain, plain_runner, plain_executor, plain_clock, _ = make_tiered_scheduler(
+        num_blocks=64, num_host_blocks=0, block_size=2, store=False, groups=groups)
+    alone = drive(plain, plain_runner, plain_executor, [make_request("c", system + list(range(40, 46)), max_tokens=2,
+                                                                     block_size=2)], plain_clock)
+    assert third == alone["c"]
