@@ -45,6 +45,20 @@ def test_rms_norm_is_torchs_to_an_ulp(fused, rows, width):
     assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) < 1e-3, (int(apart.max()), int((apart > 0).sum()))
 
 
+@pytest.mark.parametrize("rows, width", [(1, 640), (7, 256), (300, 640)])
+def test_gemmas_norm_with_its_float32_weight_is_torchs_to_an_ulp(fused, rows, width):
+    """Gemma's 1 + w in float32 (scaled in float32, rounded once), over rows of a fused projection's view (a
+    head's vectors, `stride` apart): torch's path to an ulp, and each row independent of its batch."""
+    torch.manual_seed(rows)
+    qkv = (torch.randn(rows, 3 * width) * 3).bfloat16()
+    x = qkv[:, width:2 * width]                                   # rows `3 * width` apart, as a head of k
+    weight = torch.randn(width) * 0.5 + 1
+    ours, theirs = fused.rms_norm(x, weight, 1e-6), torch_norm(x, weight, 1e-6)
+    apart = ulps_apart(ours, theirs)
+    assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) < 1e-2, (int(apart.max()), int((apart > 0).sum()))
+    assert torch.equal(ours[-1], fused.rms_norm(x[-1:].contiguous(), weight, 1e-6)[0])
+
+
 @pytest.mark.parametrize("rows, width", [(1, 1536), (5, 8192), (300, 1536)])
 def test_silu_mul_is_torchs_to_an_ulp(fused, rows, width):
     torch.manual_seed(rows)

@@ -34,8 +34,8 @@ T = TypeVar("T")
 
 # Bumped whenever a change to a library moves any bit of its results: the model fingerprint carries them
 # (kvstrata.model.fingerprint), so an engine never loads KV that another revision computed.
-PAGED_REVISION = 2
-NORM_ACT_REVISION = 1
+PAGED_REVISION = 3            # 3: a sliding layer's prefill rows in the kernel (float64 SDPA before, for exact sums)
+NORM_ACT_REVISION = 2         # 2: Gemma's norms (a float32 1 + w) in the kernel, not in torch
 GGUF_REVISION = 2             # 2: BF16 matrices at their bits
 
 

@@ -20,10 +20,14 @@ class NormAct:
         return dtype == torch.bfloat16 and device.type == "cpu" and all(w % 16 == 0 for w in widths)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x (T, E) -> LlamaRMSNorm(x) (T, E), float32 statistics; x and weight (E,) bf16, contiguous."""
-        assert x.dtype == weight.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[1:] == weight.shape
-        out = torch.empty_like(x)
-        self.lib.kvs_rms_norm(x.data_ptr(), x.shape[1], weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        """x (T, E) -> LlamaRMSNorm(x) (T, E), float32 statistics; x bf16 (rows of unit stride, any row stride:
+        a head of a fused projection) and weight (E,) bf16 or float32 (Gemma's 1 + w: scaled in float32, rounded
+        once), contiguous; E a multiple of 16."""
+        assert x.dtype == torch.bfloat16 and weight.dtype in (torch.bfloat16, torch.float32)
+        assert x.stride(1) == 1 and weight.is_contiguous() and x.shape[1:] == weight.shape and x.shape[1] % 16 == 0
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        call = self.lib.kvs_rms_norm if weight.dtype == torch.bfloat16 else self.lib.kvs_rms_norm_wide
+        call(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

@@ -26,7 +26,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, stat_dtype: torc
     rounding can turn into another greedy token."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    if fused is not None and weight.dtype == x.dtype:
+    if fused is not None and weight.dtype in (x.dtype, torch.float32) and x.shape[-1] % 16 == 0:
         return fused.rms_norm(x, weight, eps)
     xs = x.to(stat_dtype)
     normed = (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True).add_(eps))).float()

@@ -48,6 +48,8 @@ KVS_API void kvs_paged_rows(const float* q, const void* kv, int64_t bf16, const 
 KVS_API int64_t kvs_rope_max_head_dim();
 KVS_API void kvs_rms_norm(const uint16_t* x, int64_t x_stride, const uint16_t* w, uint16_t* out, int64_t rows,
                           int64_t n, float eps);
+KVS_API void kvs_rms_norm_wide(const uint16_t* x, int64_t x_stride, const float* w, uint16_t* out, int64_t rows,
+                               int64_t n, float eps);
 KVS_API void kvs_silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n);
 KVS_API void kvs_rope_store(const void* qkv, int64_t qkv_stride, int64_t bf16, const void* cos, const void* sin,
                             const int64_t* slots, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, void* kv,

@@ -37,6 +37,18 @@ void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n
     }
 }
 
+// The same statistics with a float32 weight (Gemma's 1 + w, kvstrata.model.builder): x * rsqrt(...) stays float32
+// and is scaled in float32, rounded to bf16 once, as the torch path does for such a weight.
+void rms_norm_row_wide(const uint16_t* x, const float* w, uint16_t* out, int64_t n, float eps) {
+    v16 squares = splat(0.f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const v16 v = load(x + i);
+        squares += v * v;
+    }
+    const float inv = 1.f / std::sqrt(lanes_sum(squares) / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; i += 16) store(out + i, load(x + i) * inv * load(w + i));
+}
+
 // silu(g) = g / (1 + e^-g), written with e^-|g| <= 1 so that exp16 (which takes x <= 0) serves both signs
 void silu_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
@@ -111,6 +123,13 @@ void kvs_rms_norm(const uint16_t* x, int64_t x_stride, const uint16_t* w, uint16
                   int64_t n, float eps) {
 #pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * x_stride, w, out + r * n, n, eps);
+}
+
+// kvs_rms_norm with a float32 weight w (n,): Gemma's norms, whose weight is 1 + w.
+void kvs_rms_norm_wide(const uint16_t* x, int64_t x_stride, const float* w, uint16_t* out, int64_t rows,
+                       int64_t n, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; ++r) rms_norm_row_wide(x + r * x_stride, w, out + r * n, n, eps);
 }
 
 // gate_up (rows, 2n) bfloat16, gate then up in each row; out (rows, n) bfloat16; n % 16 == 0.
