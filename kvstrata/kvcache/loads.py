@@ -24,6 +24,11 @@ from kvstrata.kvcache.transfers import LoadTransfer
 
 logger = logging.getLogger(__name__)
 
+# The record errors (kvstrata.kvcache.stores.records.REASONS) of a record broken where it lies, deleted by the
+# engine that finds it; the others are sound records of another model, KV format, record version or token run
+# (a hash collision), left for the engines they belong to.
+DAMAGED = ("length", "magic", "checksum", "hash")
+
 
 class StoreLoads:
     """The store loads in flight: of requests waiting in LOADING (indexed in the block tables), and
@@ -151,8 +156,9 @@ class StoreLoads:
         return None
 
     def _decode(self, load: LoadTransfer, records: list, reason: str | None) -> tuple[int, str | None]:
-        """Write the records into the targets in order, up to the first missing or bad one (a bad
-        record is deleted from the store); how many were written, and why not the rest (one reason)."""
+        """Write the records into the targets in order, up to the first missing or unusable one (a damaged
+        record is deleted from the store; a sound one of another engine, version or token run is left to its
+        own); how many were written, and why not the rest (one reason)."""
         loaded = 0
         for target, block_hash, tokens, record in zip(load.targets, load.hashes, load.token_ids, records):
             if record is None:
@@ -164,8 +170,9 @@ class StoreLoads:
                 if bad is None:                           # not the record's fault: keep it
                     self.moves.fault("decode", exc)
                     return loaded, "decode"
-                logger.warning("dropping a bad store record (%s): %s", bad, exc)
-                self.store_io.delete(block_hash)
+                if bad in DAMAGED:
+                    logger.warning("dropping a damaged store record (%s): %s", bad, exc)
+                    self.store_io.delete(block_hash)
                 return loaded, bad
             loaded += 1
         return loaded, reason

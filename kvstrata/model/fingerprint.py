@@ -2,9 +2,11 @@
 KV would differ in any bit never exchange blocks (docs/design/tiers-and-stores.md, "The record format").
 
 It is made in one place from what decides a model's K/V: the weights' content ids, the description, the weight
-format (with what it adds: the GGUF kernel's revision, the int8 kernel chosen), exact sums (`--batch-invariant`
-on 16 bits), our norm kernel, and exact attention's path (the paged kernel with its revision, or float64 in
-torch). A key is present only where it matters, so adding one leaves other fingerprints as they were.
+format (with what it adds: the GGUF kernel's revision, the int8 kernel chosen), the KV cache's format (a record
+of another format is another key: a miss, never a record read as the wrong format nor deleted as bad), exact
+sums (`--batch-invariant` on 16 bits), our norm kernel, and exact attention's path (the paged kernel with its
+revision, or float64 in torch). A key is present only where it matters, so adding one leaves other fingerprints
+as they were.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ ANY_BLOCK_SIZE = 16
 def identity(weight_ids: list[tuple[str, str]], arch: ModelArch, fmt: WeightFormat, kernels: Kernels,
              exact_norms: bool, exact_attention: bool, dtype: torch.dtype, device: torch.device) -> dict:
     """What the fingerprint hashes, before the format adds what its `pack` chose (`WeightFormat.identity`)."""
-    found: dict = {"weights": weight_ids, "arch": arch.identity(), "quantization": fmt.name}
+    found: dict = {"weights": weight_ids, "arch": arch.identity(), "quantization": fmt.name,
+                   "kv_cache_dtype": str(dtype).removeprefix("torch.")}     # the cache holds K/V in the model's dtype
     if exact_norms:
         found["exact_sums"] = True             # a batch-invariant engine must not take another's last bits
     if kernels.norm_act is not None:

@@ -10,8 +10,11 @@ import pytest
 
 from kvstrata.core.request import RequestStatus
 from kvstrata.kvcache.block_pool import BlockState
+from kvstrata.kvcache.loads import DAMAGED
 from tests.kvcache.fakes import (
     PREFIX,
+    FakeMover,
+    _BadRecord,
     drive,
     evict_everything,
     loading_again,
@@ -66,6 +69,23 @@ def test_failed_or_corrupt_loads_fall_back_to_recompute(fault, corrupt, reason):
         assert stats.store_errors["io"] >= 1
     counts = scheduler.tiers.audit()["device"]
     assert counts.used == 0 and counts.in_flight == 0
+
+
+@pytest.mark.parametrize("reason", ["checksum", "hash", "layout", "fingerprint", "version", "tokens"])
+def test_a_damaged_record_is_deleted_and_another_engines_is_left(reason, monkeypatch):
+    """Either way the load is a miss and the request recomputes; only a record broken in the store goes (a sound
+    one of another model, KV format or version belongs to the engines sharing the store with this one)."""
+    scheduler, runner, executor, _, store, again = loading_again()
+    kept = dict(store.records)
+
+    def refuse(*_):
+        raise _BadRecord(reason)
+    monkeypatch.setattr(FakeMover, "decode_into", refuse)
+    drive(scheduler, runner, executor, [])
+    assert again.output_token_ids == list(reference_outputs([PREFIX + [98]]).values())[0]
+    assert scheduler.tiers.stats.load_failures[reason] == 1
+    lost = set(kept) - set(store.records)
+    assert (len(lost) == 1) == (reason in DAMAGED) and len(lost) <= 1
 
 
 def test_load_past_its_deadline_counts_as_a_miss():

@@ -9,6 +9,7 @@ import json
 import re
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -113,6 +114,23 @@ def test_fingerprint_is_stable_and_follows_the_weights(tmp_path):
     other = tmp_path / "other"
     save_tiny_hf_model(other, TINY, seed=2)                 # same shapes, other values
     assert load_model(ModelConfig(model=str(other), device="cpu")).fingerprint != a
+
+
+def test_the_kv_cache_format_is_named_in_the_fingerprint(monkeypatch):
+    """A bf16 and a float32 engine of the same weights never share a key, even where nothing else in their
+    fingerprints differs (no kernel of ours, no exact attention): a record of the other format is a miss."""
+    from kvstrata.model import fingerprint
+    from kvstrata.model.formats.dense import DenseFormat
+
+    arch = arch_from_hf_config(TINY.to_dict())
+    kernels = SimpleNamespace(norm_act=None, paged=None)
+    found = {dtype: fingerprint.identity([("w", "1")], arch, DenseFormat(), kernels, False, False, dtype,
+                                         torch.device("cpu"))
+             for dtype in (torch.bfloat16, torch.float32)}
+    assert found[torch.bfloat16]["kv_cache_dtype"] == "bfloat16"
+    assert fingerprint.digest(found[torch.bfloat16]) != fingerprint.digest(found[torch.float32])
+    assert {k: v for k, v in found[torch.bfloat16].items() if k != "kv_cache_dtype"} == \
+        {k: v for k, v in found[torch.float32].items() if k != "kv_cache_dtype"}
 
 
 def test_folder_tokenizer_chat_template_and_eos_ids(tmp_path):
