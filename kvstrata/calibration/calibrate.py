@@ -301,7 +301,7 @@ def calibrate(threads: int | None = 1, repeat: int = 3, machine: str | None = No
     # max_tpot_ms=0: a step-time target would cut the grid's prefill by what each step measured, so two passes
     # would schedule different batches
     engine = LLMEngine(config)
-    recorder = ShapeRecorder(engine.runner, tuple(engine.loaded.arch.windows or ()))
+    recorder = ShapeRecorder(engine.runner, engine.loaded.arch.windows)
     engine.runner = recorder
     lay_out_as_after_traffic(engine)
     warm_up(engine)

@@ -20,7 +20,7 @@ import random
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,10 +72,10 @@ class ShapeRecorder:
     """Stands in for the engine's runner to note each step's batch shape, then runs it; counts the
     decodes that could have carried drafts and those that did."""
 
-    def __init__(self, runner, layer_windows: tuple[int | None, ...] = ()):
+    def __init__(self, runner, layer_windows: Sequence[int | None] | None = None):
         self.runner = runner
-        self.layer_windows = layer_windows             # the model's, by layer (none: every layer global)
-        self.mix = layer_mix(layer_windows)
+        self.layer_windows = tuple(layer_windows or ())     # the model's, by layer (none: every layer global)
+        self.mix = layer_mix(self.layer_windows)
         self.last: BatchShape | None = None
         self.last_drafted = False
         self.could_draft = 0
@@ -135,7 +135,7 @@ def replay_on_engine(trace: list[TraceRequest], config: SimConfig, threads: int 
 
 
 def _replay(engine, trace: list[TraceRequest], config: SimConfig, clock: str) -> EngineRun:
-    recorder = ShapeRecorder(engine.runner, tuple(engine.loaded.arch.windows or ()))
+    recorder = ShapeRecorder(engine.runner, engine.loaded.arch.windows)
     engine.runner = recorder
     waits = TransferWaits(engine.tiers)
     timer = CLOCKS[clock]

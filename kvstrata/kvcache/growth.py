@@ -101,12 +101,12 @@ class Growth:
         shared = request.num_shared_blocks                         # the hit of the next prompt sharing its prefix
         for group in range(1, self.groups.num_groups):
             stop = self.groups.first_needed(group, request.num_computed_tokens, size)
-            keep = {*range(self.groups.first_needed(group, resent * size, size), request.num_prompt_tokens // size),
-                    *range(self.groups.first_needed(group, shared * size, size), shared)}
+            keep = (range(self.groups.first_needed(group, resent * size, size), request.num_prompt_tokens // size),
+                    range(self.groups.first_needed(group, shared * size, size), shared))
             released = rb.release_before(group, stop)
             self.stats.window_released += len(released)
-            self.device.free([block for index, block in released if index not in keep], stale=True)
-            self.device.free([block for index, block in released if index in keep])
+            self.device.free([block for index, block in released if not any(index in w for w in keep)], stale=True)
+            self.device.free([block for index, block in released if any(index in w for w in keep)])
 
     def fork(self, leader: Request, sample: Request) -> None:
         """Give `sample` the leader's prompt: one more reference to each full prompt block, and a copy

@@ -111,7 +111,7 @@ class Simulator:
         # bytes; the capacities above are in tokens of every layer, as the engine's memory flags are.
         self.mix = cost.mix
         self.groups = kv_groups_for(cost.layer_windows, swa_full=config.swa_full) if cost.layer_windows else None
-        pages = 1 if self.groups is None else self.groups.num_groups
+        self.pages = pages = 1 if self.groups is None else self.groups.num_groups
         device, host = device * pages, host * pages
         store_blocks = None if store_blocks is None else store_blocks * pages
         spec = config.speculative
@@ -131,7 +131,7 @@ class Simulator:
         self.router = make_router(config.router, [e.scheduler for e in self.engines], self.tokens.per_trace_block)
 
     def _engine(self, index: int, cache: CacheConfig, scheduling: SchedulerConfig) -> _Engine:
-        pages = 1 if self.groups is None else self.groups.num_groups
+        pages = self.pages
         block_bytes = self.cost.block_bytes(cache.block_size, pages)
         mover = NullMover(self.cost.host_link, block_bytes, self.cost.record_seconds(cache.block_size, pages=pages),
                           self.cost.record_seconds(cache.block_size, decode=True, pages=pages))

@@ -26,7 +26,7 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 from kvstrata.kvcache.faults import FaultInjector
 from kvstrata.kvcache.kv_groups import KVGroups
 from tests.kvcache import test_tiers_state_machine as tiered
-from tests.kvcache.fakes import FakeStore, drive, make_request, make_tiered_scheduler
+from tests.kvcache.fakes import FakeStore, at_rest, drive, make_request, make_tiered_scheduler
 from tests.reached import assert_reached
 
 EXAMPLES = int(os.environ.get("KVSTRATA_TIERS_MACHINE_EXAMPLES", "500"))
@@ -156,6 +156,7 @@ def test_a_lookup_asks_the_store_only_what_the_device_and_host_lack():
     alone = drive(plain, plain_runner, plain_executor, [make_request("b", turn, max_tokens=4, block_size=2)],
                   plain_clock)
     assert again["b"] == alone["b"]
+    at_rest(scheduler)
 
 
 def test_the_window_where_a_prompt_left_a_shared_prefix_is_kept():
@@ -184,3 +185,4 @@ def test_the_window_where_a_prompt_left_a_shared_prefix_is_kept():
     alone = drive(plain, plain_runner, plain_executor, [make_request("c", system + list(range(40, 46)), max_tokens=2,
                                                                      block_size=2)], plain_clock)
     assert third == alone["c"]
+    at_rest(scheduler)

@@ -23,13 +23,18 @@ namespace {
 constexpr int64_t PARALLEL_VALUES = 1 << 16;     // fewer values than this: one thread (a decode's rows)
 constexpr int64_t MAX_HEAD_DIM = 512;
 
-void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n, float eps) {
+// 1 / sqrt(mean(x^2) + eps) of a row, its sum of squares in one fixed order
+INLINE float inverse_rms(const uint16_t* x, int64_t n, float eps) {
     v16 squares = splat(0.f);
     for (int64_t i = 0; i < n; i += 16) {
         const v16 v = load(x + i);
         squares += v * v;
     }
-    const float inv = 1.f / std::sqrt(lanes_sum(squares) / static_cast<float>(n) + eps);
+    return 1.f / std::sqrt(lanes_sum(squares) / static_cast<float>(n) + eps);
+}
+
+void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n, float eps) {
+    const float inv = inverse_rms(x, n, eps);
     for (int64_t i = 0; i < n; i += 16) {
         uint16_t normed[16];
         store(normed, load(x + i) * inv);
@@ -40,12 +45,7 @@ void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n
 // The same statistics with a float32 weight (Gemma's 1 + w, kvstrata.model.builder): x * rsqrt(...) stays float32
 // and is scaled in float32, rounded to bf16 once, as the torch path does for such a weight.
 void rms_norm_row_wide(const uint16_t* x, const float* w, uint16_t* out, int64_t n, float eps) {
-    v16 squares = splat(0.f);
-    for (int64_t i = 0; i < n; i += 16) {
-        const v16 v = load(x + i);
-        squares += v * v;
-    }
-    const float inv = 1.f / std::sqrt(lanes_sum(squares) / static_cast<float>(n) + eps);
+    const float inv = inverse_rms(x, n, eps);
     for (int64_t i = 0; i < n; i += 16) store(out + i, load(x + i) * inv * load(w + i));
 }
 
